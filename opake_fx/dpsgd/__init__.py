@@ -1,0 +1,1 @@
+"""DP-SGD: per-example clipping, Gaussian noise, Poisson sampling and their accounting."""

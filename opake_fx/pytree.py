@@ -1,0 +1,183 @@
+"""Tree math over pytrees of tensors, backed by optree.
+
+Every function here flattens with the ``"opake_fx"`` optree namespace, so the DP
+wrappers of :mod:`opake_fx.types` (``ClippedPytree``, ``NoisedPytree``, ...) are
+traversed to their tensors while their metadata (``max_norm``, ``noise_stddev``)
+travels unchanged. ``None`` is an empty subtree, as in JAX.
+
+Privacy: everything here is post-processing; nothing changes a guarantee. (Scaling a
+``ClippedPytree`` through :func:`scale` scales its tensors, *not* its ``max_norm``:
+use the wrapper's own ``*`` operator when the sensitivity must follow.)
+
+Example:
+    >>> import torch
+    >>> t = {"w": torch.ones(2, 2), "b": torch.zeros(2)}
+    >>> float(global_norm(t))
+    2.0
+    >>> scale(t, 0.5)["w"].tolist()
+    [[0.5, 0.5], [0.5, 0.5]]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import optree
+import torch
+
+from opake_fx.errors import InputTypeError, InputValueError
+
+__all__ = [
+    "NAMESPACE",
+    "tree_map",
+    "leaves",
+    "structure",
+    "tree_flatten_with_paths",
+    "add",
+    "sub",
+    "scale",
+    "vdot",
+    "global_norm",
+    "zeros_like",
+    "ones_like",
+    "cast",
+    "partition",
+    "merge",
+    "assert_tensor_leaves",
+]
+
+NAMESPACE = "opake_fx"
+"""The optree namespace that opake_fx's wrapper types are registered in."""
+
+PyTree = Any
+
+
+def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+    """Applies ``fn`` to corresponding leaves of ``tree`` and ``rest``."""
+    return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
+
+
+def leaves(tree: PyTree) -> list[Any]:
+    """The leaves of ``tree`` in flattening order."""
+    return optree.tree_leaves(tree, namespace=NAMESPACE)
+
+
+def structure(tree: PyTree) -> optree.PyTreeSpec:
+    """The tree structure (a ``PyTreeSpec``) of ``tree``."""
+    return optree.tree_structure(tree, namespace=NAMESPACE)
+
+
+def tree_flatten_with_paths(tree: PyTree) -> tuple[list[tuple[Any, ...]], list[Any], optree.PyTreeSpec]:
+    """Flattens ``tree`` into ``(paths, leaves, treespec)``.
+
+    A path is the tuple of keys/indices from the root to the leaf, e.g.
+    ``("encoder", "weight")`` or ``(0,)``.
+    """
+    return optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
+
+
+def add(a: PyTree, b: PyTree) -> PyTree:
+    """Leafwise ``a + b``."""
+    return tree_map(torch.add, a, b)
+
+
+def sub(a: PyTree, b: PyTree) -> PyTree:
+    """Leafwise ``a - b``."""
+    return tree_map(torch.sub, a, b)
+
+
+def scale(tree: PyTree, factor: float | torch.Tensor) -> PyTree:
+    """Leafwise ``factor * leaf``."""
+    return tree_map(lambda leaf: leaf * factor, tree)
+
+
+def vdot(a: PyTree, b: PyTree) -> torch.Tensor:
+    """Sum over leaves of the inner products ``<a_leaf, b_leaf>`` (a 0-dim tensor)."""
+    parts = [torch.sum(x * y) for x, y in zip(leaves(a), leaves(b), strict=True)]
+    if not parts:
+        return torch.zeros(())
+    return torch.stack([p.to(parts[0].dtype) for p in parts]).sum()
+
+
+def global_norm(tree: PyTree) -> torch.Tensor:
+    """The L2 norm of all leaves taken together (a 0-dim tensor).
+
+    Computed from per-leaf norms, so it neither overflows for huge leaves nor
+    underflows for tiny ones (``torch.linalg.vector_norm`` rescales internally).
+    """
+    norms = [torch.linalg.vector_norm(leaf.float() if not leaf.is_floating_point() else leaf) for leaf in leaves(tree)]
+    if not norms:
+        return torch.zeros(())
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device=device, dtype=torch.float64) for n in norms]))
+
+
+def zeros_like(tree: PyTree) -> PyTree:
+    """A tree of zeros with the shapes, dtypes and devices of ``tree``."""
+    return tree_map(torch.zeros_like, tree)
+
+
+def ones_like(tree: PyTree) -> PyTree:
+    """A tree of ones with the shapes, dtypes and devices of ``tree``."""
+    return tree_map(torch.ones_like, tree)
+
+
+def cast(tree: PyTree, dtype: torch.dtype) -> PyTree:
+    """Casts floating-point leaves to ``dtype``; integer and bool leaves are kept."""
+    return tree_map(lambda leaf: leaf.to(dtype) if leaf.is_floating_point() else leaf, tree)
+
+
+def partition(predicate: Callable[[tuple[Any, ...], Any], bool], tree: PyTree) -> tuple[PyTree, PyTree]:
+    """Splits ``tree`` into ``(selected, rest)`` by ``predicate(path, leaf)``.
+
+    Both outputs keep the full structure; a leaf absent from one side is ``None``
+    there. :func:`merge` puts them back together.
+
+    Example:
+        >>> import torch
+        >>> t = {"w": torch.ones(2), "b": torch.zeros(1)}
+        >>> biases, others = partition(lambda path, leaf: path[-1] == "b", t)
+        >>> sorted(k for k, v in biases.items() if v is not None)
+        ['b']
+    """
+    paths, flat, spec = tree_flatten_with_paths(tree)
+    chosen = [bool(predicate(p, leaf)) for p, leaf in zip(paths, flat)]
+    selected = [leaf if c else None for leaf, c in zip(flat, chosen)]
+    rest = [None if c else leaf for leaf, c in zip(flat, chosen)]
+    return _unflatten_with_none(spec, selected), _unflatten_with_none(spec, rest)
+
+
+def merge(a: PyTree, b: PyTree) -> PyTree:
+    """Inverse of :func:`partition`: takes each leaf from whichever side is not ``None``."""
+    fa = optree.tree_leaves(a, none_is_leaf=True, namespace=NAMESPACE)
+    fb, spec = optree.tree_flatten(b, none_is_leaf=True, namespace=NAMESPACE)
+    if len(fa) != len(fb):
+        raise InputValueError(
+            "merge needs two halves of the same tree (the outputs of partition); "
+            f"got {len(fa)} and {len(fb)} leaves."
+        )
+    merged = []
+    for x, y in zip(fa, fb):
+        if x is not None and y is not None:
+            raise InputValueError("merge found a leaf present in both halves; partition gives disjoint halves.")
+        merged.append(x if x is not None else y)
+    return optree.tree_unflatten(spec, merged)
+
+
+def assert_tensor_leaves(tree: PyTree, *, what: str) -> None:
+    """Raises a clear error if any leaf of ``tree`` is not a tensor."""
+    paths, flat, _ = tree_flatten_with_paths(tree)
+    for path, leaf in zip(paths, flat):
+        if not isinstance(leaf, torch.Tensor):
+            raise InputTypeError(
+                f"{what} must be a pytree of tensors; the leaf at path {path} is a "
+                f"{type(leaf).__name__}. Convert it with torch.as_tensor or remove it from the tree."
+            )
+
+
+def _unflatten_with_none(spec: optree.PyTreeSpec, flat: list[Any]) -> PyTree:
+    # Rebuild with None in place of missing leaves (None is a leaf on this side).
+    none_spec = optree.tree_structure(
+        optree.tree_unflatten(spec, [0] * spec.num_leaves), none_is_leaf=True, namespace=NAMESPACE
+    )
+    return optree.tree_unflatten(none_spec, flat)

@@ -1,0 +1,341 @@
+"""Explicit, splittable random keys, bit-identical to ``jax.random``.
+
+A key is a value: :class:`RngKey` holds two uint32 words and is hashed with
+Threefry-2x32 (20 rounds; Salmon et al. 2011) in JAX's *partitionable* layout, so
+``split``, ``fold_in``, ``bits`` and ``uniform`` give the same numbers as
+``jax.random`` for the same key, and ``normal(..., exact=True)`` the same normals up
+to one ulp of ``erfinv``.
+
+Nothing here touches the global torch RNG. Bulk Gaussian noise (``normal`` without
+``exact``) is drawn by a ``torch.Generator`` seeded from the key's hash on the target
+device: as fast as ``torch.randn`` and deterministic per key, shape, dtype and device
+type, but not JAX-identical.
+
+Keys may also be given as int64 tensors of shape ``(..., 2)`` (see :func:`key_data`);
+``split``, ``fold_in``, ``bits``, ``uniform`` and ``normal`` then work elementwise and
+under ``torch.func.vmap`` (pass stacked keys with ``in_dims=0`` rather than relying on
+``randomness="different"``).
+
+Example:
+    >>> k = key(42)
+    >>> k.words
+    (0, 42)
+    >>> a, b = split(k)
+    >>> normal(fold_in(a, 3), (2,)).shape
+    torch.Size([2])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import optree
+import torch
+
+from opake_fx.errors import InputTypeError, InputValueError
+
+__all__ = [
+    "RngKey",
+    "key",
+    "split",
+    "fold_in",
+    "bits",
+    "uniform",
+    "normal",
+    "tree_normal",
+    "key_data",
+    "wrap_key_data",
+]
+
+_MASK = 0xFFFFFFFF
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+@dataclass(frozen=True)
+class RngKey:
+    """An immutable Threefry-2x32 key: two uint32 words ``(hi, lo)``.
+
+    Keys are hashable and comparable, so they can sit in sets, dict keys and
+    dataclass states. Make them with :func:`key`; derive new ones with :func:`split`
+    and :func:`fold_in`, never by reusing a key for two purposes.
+    """
+
+    words: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.words, tuple)
+            or len(self.words) != 2
+            or not all(isinstance(w, int) and 0 <= w <= _MASK for w in self.words)
+        ):
+            raise InputValueError(
+                f"RngKey needs two uint32 words (hi, lo); got {self.words!r}. "
+                "Make keys with opake_fx.random.key(seed)."
+            )
+
+    def __repr__(self) -> str:
+        return f"RngKey({self.words[0]}, {self.words[1]})"
+
+    def to_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The key as an int64 tensor ``[hi, lo]`` (for stacking and ``vmap``)."""
+        return torch.tensor(self.words, dtype=torch.int64, device=device)
+
+
+KeyLike = RngKey | torch.Tensor
+
+
+def key(seed: int) -> RngKey:
+    """Makes a key from an integer seed, as ``jax.random.PRNGKey`` does.
+
+    A seed in ``[0, 2**64)`` maps to ``(seed >> 32, seed & 0xFFFFFFFF)``; negative
+    seeds are taken modulo ``2**64``.
+
+    Example:
+        >>> key(42).words
+        (0, 42)
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InputTypeError(f"key(seed) needs a Python int seed; got {type(seed).__name__}.")
+    if seed >= 2**64:
+        raise InputValueError(f"key(seed) needs a seed below 2**64; got {seed}.")
+    seed %= 2**64
+    return RngKey((seed >> 32, seed & _MASK))
+
+
+def key_data(keys: RngKey | Sequence[RngKey]) -> torch.Tensor:
+    """Stacks keys into an int64 tensor of shape ``(2,)`` or ``(n, 2)``.
+
+    Use this to hand per-example keys to ``torch.func.vmap`` (``in_dims=0``).
+    """
+    if isinstance(keys, RngKey):
+        return keys.to_tensor()
+    return torch.tensor([k.words for k in keys], dtype=torch.int64).reshape(-1, 2)
+
+
+def wrap_key_data(data: torch.Tensor) -> RngKey | list[RngKey]:
+    """Inverse of :func:`key_data`: an int64 ``(2,)`` or ``(n, 2)`` tensor back to keys."""
+    rows = data.reshape(-1, 2).tolist()
+    out = [RngKey((int(a), int(b))) for a, b in rows]
+    return out[0] if data.dim() == 1 else out
+
+
+def split(k: KeyLike, num: int = 2) -> Any:
+    """Splits a key into ``num`` independent children.
+
+    Child ``i`` is the Threefry hash of counter ``i``, so ``split(k, 3)[:2] ==
+    split(k, 2)`` (JAX's partitionable layout).
+
+    Returns:
+        A tuple of ``num`` :class:`RngKey` for an ``RngKey`` input; for a tensor key
+        of shape ``(..., 2)``, a tensor of shape ``(..., num, 2)``.
+
+    Example:
+        >>> a, b = split(key(0))
+        >>> a.words
+        (1797259609, 2579123966)
+    """
+    if num < 1:
+        raise InputValueError(f"split needs num >= 1; got {num}.")
+    if isinstance(k, RngKey):
+        counters = torch.arange(num, dtype=torch.int64)
+        y0, y1 = _hash_counters(k.to_tensor(), counters)
+        return tuple(RngKey((int(a), int(b))) for a, b in zip(y0.tolist(), y1.tolist()))
+    kt = _check_key_tensor(k)
+    counters = torch.arange(num, dtype=torch.int64, device=kt.device)
+    y0, y1 = _hash_counters(kt, counters)
+    return torch.stack((y0, y1), dim=-1)
+
+
+def fold_in(k: KeyLike, data: int | torch.Tensor) -> Any:
+    """Derives a key from ``k`` and an integer (a step, a rank), as ``jax.random.fold_in``.
+
+    ``data`` is taken modulo ``2**32``.
+
+    Example:
+        >>> fold_in(key(0), 7).words
+        (2716826189, 292468403)
+    """
+    if isinstance(k, RngKey):
+        if isinstance(data, torch.Tensor):
+            data = int(data)
+        if isinstance(data, bool) or not isinstance(data, int):
+            raise InputTypeError(f"fold_in needs an int; got {type(data).__name__}.")
+        y0, y1 = _threefry(k.to_tensor(), torch.tensor(0), torch.tensor(data & _MASK))
+        return RngKey((int(y0), int(y1)))
+    kt = _check_key_tensor(k)
+    d = torch.as_tensor(data, dtype=torch.int64, device=kt.device) & _MASK
+    y0, y1 = _threefry(kt, torch.zeros_like(d), d)
+    return torch.stack((y0, y1), dim=-1)
+
+
+def bits(k: KeyLike, shape: Sequence[int] = (), dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Random uint32 words, equal to ``jax.random.bits(k, shape, uint32)``.
+
+    Args:
+        k: the key.
+        shape: output shape (row-major counter order).
+        dtype: ``torch.int64`` (values in ``[0, 2**32)``) or ``torch.uint32``.
+
+    Example:
+        >>> bits(key(0), (2,)).tolist()
+        [4070199207, 4202968722]
+    """
+    shape = tuple(int(s) for s in shape)
+    n = math.prod(shape)
+    kt = k.to_tensor() if isinstance(k, RngKey) else _check_key_tensor(k)
+    counters = torch.arange(n, dtype=torch.int64, device=kt.device)
+    y0, y1 = _hash_counters(kt, counters)
+    out = (y0 ^ y1).reshape(*kt.shape[:-1], *shape)
+    if dtype == torch.int64:
+        return out
+    if dtype == torch.uint32:
+        return out.to(torch.uint32)
+    raise InputValueError(f"bits returns int64 or uint32 words; got dtype={dtype}.")
+
+
+def uniform(
+    k: KeyLike,
+    shape: Sequence[int] = (),
+    dtype: torch.dtype = torch.float32,
+    minval: float = 0.0,
+    maxval: float = 1.0,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Uniform floats in ``[minval, maxval)``, equal to ``jax.random.uniform`` in float32.
+
+    The mantissa comes from the top 23 bits of :func:`bits`. Other float dtypes are
+    computed in float32 and cast (so they are not JAX-identical).
+    """
+    if not dtype.is_floating_point:
+        raise InputValueError(f"uniform needs a floating dtype; got {dtype}.")
+    u = _unit_uniform(bits(k, shape))
+    if minval != 0.0 or maxval != 1.0:
+        u = torch.clamp(u * (maxval - minval) + minval, min=minval)
+    return u.to(dtype=dtype, device=device)
+
+
+def normal(
+    k: KeyLike,
+    shape: Sequence[int] = (),
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    *,
+    exact: bool = False,
+) -> torch.Tensor:
+    """Standard normal samples drawn from a key; the global RNG is never used.
+
+    Args:
+        k: the key.
+        shape: output shape.
+        dtype: floating dtype of the output.
+        device: target device (the draw happens there; no host-device copy).
+        exact: if True, use Threefry bits and ``sqrt(2) * erfinv`` exactly as
+            ``jax.random.normal`` (float32; equal to JAX up to ~1e-6). Slow: meant for
+            tests and small draws. If False (default), seed a local ``torch.Generator``
+            on ``device`` with the key's hash and call ``torch.randn``: as fast as
+            ``torch.randn``, deterministic per (key, shape, dtype, device type).
+            Tensor keys (stacked keys, ``vmap``) always take the exact path.
+
+    Example:
+        >>> x = normal(key(0), (1000,))
+        >>> bool(abs(x.std() - 1) < 0.1)
+        True
+    """
+    if not dtype.is_floating_point:
+        raise InputValueError(f"normal needs a floating dtype; got {dtype}.")
+    shape = tuple(int(s) for s in shape)
+    if exact or not isinstance(k, RngKey):
+        u = _unit_uniform(bits(k, shape))
+        lo = math.nextafter(-1.0, 0.0)
+        lo32 = torch.tensor(lo, dtype=torch.float32).item()
+        u = torch.clamp(u * (1.0 - lo32) + lo32, min=lo32)
+        # erfinv in float64, rounded once to float32: within one ulp of XLA's kernel.
+        out = (math.sqrt(2.0) * torch.erfinv(u.double())).float()
+        return out.to(dtype=dtype, device=device)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(_generator_seed(k))
+    return torch.randn(shape, generator=gen, dtype=dtype, device=dev)
+
+
+def tree_normal(k: RngKey, like_tree: Any, *, exact: bool = False) -> Any:
+    """A pytree of standard normals shaped like ``like_tree``, one subkey per leaf.
+
+    Leaf ``i`` (in optree flattening order) uses ``split(k, n_leaves)[i]`` and takes
+    the leaf's shape, dtype and device.
+    """
+    leaves, treedef = optree.tree_flatten(like_tree, none_is_leaf=False)
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise InputTypeError(
+                f"tree_normal needs tensor leaves; got {type(leaf).__name__}. "
+                "Convert the leaf to a tensor or remove it from the tree."
+            )
+    if not leaves:
+        return optree.tree_unflatten(treedef, [])
+    subkeys = split(k, len(leaves))
+    draws = [
+        normal(sk, leaf.shape, dtype=leaf.dtype, device=leaf.device, exact=exact)
+        for sk, leaf in zip(subkeys, leaves)
+    ]
+    return optree.tree_unflatten(treedef, draws)
+
+
+# --- private helpers ---------------------------------------------------------------
+
+
+def _check_key_tensor(k: Any) -> torch.Tensor:
+    if not isinstance(k, torch.Tensor):
+        raise InputTypeError(
+            f"expected an RngKey or an int64 key tensor of shape (..., 2); got {type(k).__name__}. "
+            "Make keys with opake_fx.random.key(seed)."
+        )
+    if k.dtype != torch.int64 or k.shape[-1:] != (2,):
+        raise InputValueError(
+            f"a key tensor must be int64 with last dimension 2; got dtype={k.dtype}, "
+            f"shape={tuple(k.shape)}. Build it with opake_fx.random.key_data."
+        )
+    return k
+
+
+def _rotl(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) & _MASK) | (x >> (32 - r))
+
+
+def _threefry(kt: torch.Tensor, x0: torch.Tensor, x1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Threefry-2x32, 20 rounds, on int64 tensors holding uint32 values (broadcasting)."""
+    k0, k1 = kt[..., 0], kt[..., 1]
+    ks = (k0, k1, k0 ^ k1 ^ 0x1BD11BDA)
+    x0 = (x0 + ks[0]) & _MASK
+    x1 = (x1 + ks[1]) & _MASK
+    for group in range(1, 6):
+        for r in _ROTATIONS[(group - 1) % 2]:
+            x0 = (x0 + x1) & _MASK
+            x1 = _rotl(x1, r) ^ x0
+        x0 = (x0 + ks[group % 3]) & _MASK
+        x1 = (x1 + ks[(group + 1) % 3] + group) & _MASK
+    return x0, x1
+
+
+def _hash_counters(kt: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hashes 64-bit counters (partitionable layout: x0 = hi word, x1 = lo word)."""
+    return _threefry(kt.unsqueeze(-2), counters >> 32, counters & _MASK)
+
+
+def _unit_uniform(words: torch.Tensor) -> torch.Tensor:
+    """uint32 words (int64 tensor) -> float32 in [0, 1) via the mantissa trick."""
+    mant = (words >> 9) | 0x3F800000
+    return mant.to(torch.int32).view(torch.float32) - 1.0
+
+
+# Domain-separation counter for generator seeds, so that the generator seed is never
+# equal to a value that split/bits hand out for the same key.
+_GENERATOR_DOMAIN = 0x6F70616B
+
+
+def _generator_seed(k: RngKey) -> int:
+    y0, y1 = _threefry(k.to_tensor(), torch.tensor(_GENERATOR_DOMAIN), torch.tensor(_GENERATOR_DOMAIN))
+    # torch generators take seeds below 2**63 - 1 on every device.
+    return ((int(y0) << 31) ^ int(y1)) & (2**63 - 1)
