@@ -1,0 +1,375 @@
+"""The shared machinery behind every clipping function.
+
+A clipping function is fixed by three things: a *backend* that yields per-example
+gradients (or what is needed to weight them), a *scale rule* that turns per-example
+gradient norms into per-example weights, and a *state update*. This module does the
+rest: argument checks, microbatching, the empty batch, norms that neither overflow
+nor underflow, the non-finite policy, float32 accumulation and the output wrapper.
+
+Non-finite policy: an example whose gradient contains a NaN or an inf gets weight 0
+(its contribution is exactly zero, so the sensitivity bound still holds) and is
+counted in ``num_nonfinite``; it never propagates into the sum.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+
+from opake_fx.dpsgd.clipping.types import ClippedGradAux, ClippingStats
+from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths
+from opake_fx.types import ClippedPytree, PerGroup
+
+Norms = torch.Tensor  # float64, shape [G, B]
+WeightFn = Callable[[Norms, torch.Tensor], torch.Tensor]  # (norms [G,B], bounds [G]) -> weights [G,B]
+
+
+@dataclass(frozen=True)
+class ClipConfig:
+    """Static configuration shared by every call of one clipped-gradient function."""
+
+    argnums: tuple[int, ...]
+    single_argnum: bool
+    batch_argnums: tuple[int, ...]
+    has_aux: bool
+    normalize_by: float
+    microbatch_size: int | None
+    dtype: torch.dtype | None
+    return_aux: bool
+    return_stats: bool
+
+
+def make_config(
+    argnums: int | Sequence[int],
+    batch_argnums: int | Sequence[int],
+    *,
+    has_aux: bool,
+    normalize_by: float,
+    microbatch_size: int | None,
+    dtype: torch.dtype | None,
+    return_aux: bool,
+    return_stats: bool,
+) -> ClipConfig:
+    """Validates the static arguments of a clipping function."""
+    single = isinstance(argnums, int)
+    arg_t = _as_index_tuple(argnums, "argnums")
+    batch_t = _as_index_tuple(batch_argnums, "batch_argnums")
+    if not arg_t:
+        raise InputValueError("argnums must name at least one argument to differentiate.")
+    if not batch_t:
+        raise InputValueError("batch_argnums must name at least one argument with a batch axis.")
+    overlap = sorted(set(arg_t) & set(batch_t))
+    if overlap:
+        raise InputValueError(
+            f"argnums={arg_t} and batch_argnums={batch_t} overlap at {overlap}: an argument cannot be both "
+            "differentiated (parameters, no batch axis) and batched (data). Usually argnums=0 (params) "
+            "and batch_argnums=(1, 2) (inputs, labels)."
+        )
+    if isinstance(normalize_by, bool) or not isinstance(normalize_by, (int, float)) or not (
+        math.isfinite(normalize_by) and normalize_by > 0
+    ):
+        raise InputValueError(
+            f"normalize_by must be a finite number > 0; got {normalize_by!r}. Use the expected batch size "
+            "(sample_rate * dataset_size) to get a mean gradient, or 1.0 for a sum."
+        )
+    if microbatch_size is not None and (isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1):
+        raise InputValueError(f"microbatch_size must be a positive int or None; got {microbatch_size!r}.")
+    if return_aux and return_stats:
+        raise InputValueError("return_aux and return_stats cannot both be set; ClippedGradAux has the stats fields.")
+    return ClipConfig(
+        argnums=arg_t,
+        single_argnum=single,
+        batch_argnums=batch_t,
+        has_aux=has_aux,
+        normalize_by=float(normalize_by),
+        microbatch_size=microbatch_size,
+        dtype=dtype,
+        return_aux=return_aux,
+        return_stats=return_stats,
+    )
+
+
+def check_clipping_norm(clipping_norm: Any, name: str = "clipping_norm") -> None:
+    """Rejects negative, NaN and non-numeric clip norms (inf is allowed: no clipping)."""
+    if isinstance(clipping_norm, PerGroup):
+        bad = {g: v for g, v in clipping_norm.values.items() if not v > 0}
+        if bad:
+            raise InputValueError(f"{name}: per-group clip norms must be > 0; got {bad}.")
+        return
+    if isinstance(clipping_norm, bool) or not isinstance(clipping_norm, (int, float)):
+        raise InputTypeError(f"{name} must be a float or a PerGroup; got {type(clipping_norm).__name__}.")
+    if math.isnan(clipping_norm) or clipping_norm <= 0:
+        raise InputValueError(
+            f"{name} must be > 0 (or inf for no clipping); got {clipping_norm}. It is the largest L2 norm "
+            "one example's gradient may have: typical values are 0.1 to 10."
+        )
+
+
+@dataclass
+class PerExample:
+    """What a backend returns for one (micro)batch."""
+
+    grad_leaves: list[torch.Tensor]  # each [B, *param_shape]
+    losses: torch.Tensor  # [B]
+    loss_aux: Any
+
+
+Backend = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any], ClipConfig], PerExample]
+
+
+def vmap_backend(loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: ClipConfig) -> PerExample:
+    """Per-example gradients with ``torch.func.vmap(grad(loss_fn))``."""
+
+    def scalar_loss(*a: Any) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        out = loss_fn(*a, **kwargs)
+        loss, aux = out if cfg.has_aux else (out, None)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise InputValueError(
+                "loss_fn must return a scalar tensor for ONE example (it is vmapped over the batch); got "
+                f"{'shape ' + str(tuple(loss.shape)) if isinstance(loss, torch.Tensor) else type(loss).__name__}. "
+                "Reduce the example's loss to a scalar, e.g. with .squeeze() or .sum()."
+            )
+        return loss, ((loss.detach(), aux) if cfg.has_aux else (loss.detach(),))
+
+    argnums = cfg.argnums[0] if cfg.single_argnum else cfg.argnums
+    grad_fn = torch.func.grad(scalar_loss, argnums=argnums, has_aux=True)
+    in_dims = tuple(0 if i in cfg.batch_argnums else None for i in range(len(args)))
+    grads, extras = torch.func.vmap(grad_fn, in_dims=in_dims)(*args)
+    return PerExample(optree.tree_leaves(grads, namespace=NAMESPACE), extras[0], extras[1] if cfg.has_aux else None)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Everything one call computed, before it is packaged for the caller."""
+
+    clipped: ClippedPytree
+    norms: Norms  # [G, B] float64, pre-clipping
+    weights: torch.Tensor  # [G, B] float64
+    bounds: torch.Tensor  # [G] float64, the clip norm of each group
+    finite: torch.Tensor  # [B] bool
+    losses: torch.Tensor
+    loss_aux: Any
+    batch_size: int
+
+
+def clipped_step(
+    loss_fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    cfg: ClipConfig,
+    *,
+    clipping_norm: float | PerGroup,
+    weight_fn: WeightFn,
+    backend: Backend = vmap_backend,
+) -> StepResult:
+    """Runs one clipped-gradient computation (all microbatches) and returns its parts."""
+    _check_args(args, cfg)
+    diff_tree = _diff_tree(args, cfg)
+    paths, diff_leaves, treedef = tree_flatten_with_paths(diff_tree)
+    group_names, leaf_group = _leaf_groups(clipping_norm, paths)
+    bounds = torch.tensor(
+        [clipping_norm.values[g] for g in group_names] if isinstance(clipping_norm, PerGroup) else [float(clipping_norm)],
+        dtype=torch.float64,
+    )
+    batch = batch_size_of(args, cfg)
+    out_dtypes = [cfg.dtype or _accumulation_dtype(leaf.dtype) for leaf in diff_leaves]
+    sums = [torch.zeros(leaf.shape, dtype=dt, device=leaf.device) for leaf, dt in zip(diff_leaves, out_dtypes)]
+    all_norms, all_weights, all_finite, all_losses, all_aux = [], [], [], [], []
+    step = cfg.microbatch_size or max(batch, 1)
+    for start in range(0, batch, step):
+        chunk = _slice_batch(args, cfg, start, min(start + step, batch))
+        per_ex = backend(loss_fn, chunk, kwargs, cfg)
+        norms = group_norms(per_ex.grad_leaves, leaf_group, len(group_names))
+        finite = torch.isfinite(norms).all(dim=0)
+        weights = weight_fn(norms, bounds.to(norms.device))
+        weights = torch.where(finite.unsqueeze(0), weights, torch.zeros_like(weights))
+        sanitize = not bool(finite.all())
+        for i, g_leaf in enumerate(per_ex.grad_leaves):
+            if sanitize:
+                g_leaf = torch.nan_to_num(g_leaf, nan=0.0, posinf=0.0, neginf=0.0)
+            w = weights[leaf_group[i]].to(device=g_leaf.device, dtype=out_dtypes[i])
+            sums[i] += torch.tensordot(w, g_leaf.to(out_dtypes[i]), dims=([0], [0]))
+        all_norms.append(norms)
+        all_weights.append(weights)
+        all_finite.append(finite)
+        all_losses.append(per_ex.losses)
+        all_aux.append(per_ex.loss_aux)
+    device = diff_leaves[0].device if diff_leaves else torch.device("cpu")
+    if batch == 0:
+        empty = torch.zeros((len(group_names), 0), dtype=torch.float64, device=device)
+        all_norms, all_weights = [empty], [empty]
+        all_finite, all_losses = [torch.zeros(0, dtype=torch.bool, device=device)], [torch.zeros(0, device=device)]
+    norms = torch.cat(all_norms, dim=1)
+    weights = torch.cat(all_weights, dim=1)
+    grads = optree.tree_unflatten(treedef, [s / cfg.normalize_by for s in sums])
+    max_norm = clipping_norm / cfg.normalize_by
+    return StepResult(
+        clipped=ClippedPytree(grads, max_norm=max_norm),
+        norms=norms,
+        weights=weights,
+        bounds=bounds,
+        finite=torch.cat(all_finite),
+        losses=torch.cat(all_losses),
+        loss_aux=_concat_aux(all_aux) if cfg.has_aux and batch > 0 else None,
+        batch_size=batch,
+    )
+
+
+def package(result: StepResult, cfg: ClipConfig, clipping_norm: float | PerGroup, new_state: Any) -> Any:
+    """Builds the caller-facing return value from a :class:`StepResult`."""
+    if not (cfg.return_aux or cfg.return_stats):
+        if cfg.has_aux:
+            return (result.clipped, result.loss_aux), new_state
+        return result.clipped, new_state
+    norms, weights, batch = result.norms, result.weights, result.batch_size
+    finite = result.finite
+    clipped_mask = (norms > result.bounds.to(norms.device).unsqueeze(1)) & finite.unsqueeze(0)
+    num_nonfinite = int((~finite).sum())
+    if isinstance(clipping_norm, PerGroup):
+        names = sorted(clipping_norm.values)
+        num_clipped: Any = {n: float(clipped_mask[i].sum()) for i, n in enumerate(names)}
+        rate: Any = {n: (v / batch if batch else 0.0) for n, v in num_clipped.items()}
+    else:
+        num_clipped = float(clipped_mask[0].sum())
+        rate = num_clipped / batch if batch else 0.0
+    if cfg.return_stats:
+        return (result.clipped, ClippingStats(num_clipped, rate, batch, num_nonfinite)), new_state
+    total = norms.square().sum(dim=0).sqrt()
+    after = torch.where(finite, (norms * weights).square().sum(dim=0).sqrt(), torch.zeros_like(total))
+    aux = ClippedGradAux(
+        loss_values=result.losses,
+        grad_norms=total,
+        clipped_grad_norms=after,
+        loss_aux=result.loss_aux,
+        clipping_rate=None if isinstance(clipping_norm, PerGroup) else rate,
+        batch_size=batch,
+        group_norms={n: norms[i] for i, n in enumerate(sorted(clipping_norm.values))}
+        if isinstance(clipping_norm, PerGroup)
+        else None,
+        num_nonfinite=num_nonfinite,
+    )
+    return (result.clipped, aux), new_state
+
+
+def group_norms(grad_leaves: list[torch.Tensor], leaf_group: list[int], num_groups: int) -> Norms:
+    """Per-example, per-group L2 norms ``[G, B]`` in float64, safe from over/underflow."""
+    if not grad_leaves:
+        raise InputValueError("nothing to differentiate: the differentiated arguments have no tensor leaves.")
+    batch = grad_leaves[0].shape[0]
+    device = grad_leaves[0].device
+    sq = torch.zeros((num_groups, batch), dtype=torch.float64, device=device)
+    for g_leaf, grp in zip(grad_leaves, leaf_group):
+        flat = g_leaf.reshape(batch, -1)
+        n = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
+        overflow = torch.isinf(n) & torch.isfinite(flat).all(dim=1) if flat.dtype == torch.float64 else None
+        if overflow is not None and bool(overflow.any()):
+            # Finite float64 entries whose squares overflow: rescale by the per-example max.
+            amax = flat.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+            n = torch.where(overflow, torch.linalg.vector_norm(flat / amax, dim=1) * amax.squeeze(1), n)
+        sq[grp] += n.square()
+    return sq.sqrt()
+
+
+def batch_size_of(args: tuple[Any, ...], cfg: ClipConfig) -> int:
+    """The common leading dimension of every batched argument (error if they differ)."""
+    sizes: dict[str, int] = {}
+    for i in cfg.batch_argnums:
+        paths, flat, _ = tree_flatten_with_paths(args[i])
+        for p, leaf in zip(paths, flat):
+            if not isinstance(leaf, torch.Tensor):
+                raise InputTypeError(
+                    f"batched argument {i} has a non-tensor leaf at {p} ({type(leaf).__name__}); every leaf of "
+                    "a batch_argnums argument must be a tensor with the batch as its first dimension."
+                )
+            if leaf.dim() == 0:
+                raise InputValueError(
+                    f"batched argument {i} has a 0-dim tensor at {p}; batched tensors need a leading batch dimension."
+                )
+            sizes[f"argument {i}{''.join(f'[{k!r}]' for k in p)}"] = leaf.shape[0]
+    if not sizes:
+        raise InputValueError(f"batch_argnums={cfg.batch_argnums} name arguments with no tensors; nothing to batch over.")
+    if len(set(sizes.values())) > 1:
+        detail = ", ".join(f"{k}: {v}" for k, v in sizes.items())
+        raise InputValueError(
+            f"batched arguments disagree on the batch size ({detail}). Every batch_argnums tensor must have "
+            "the same first dimension; check that inputs and labels come from the same batch."
+        )
+    return next(iter(sizes.values()))
+
+
+# --- private helpers ---------------------------------------------------------------
+
+
+def _as_index_tuple(v: int | Sequence[int], name: str) -> tuple[int, ...]:
+    t = (v,) if isinstance(v, int) else tuple(v)
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in t):
+        raise InputValueError(f"{name} must be non-negative argument positions; got {v!r}.")
+    if len(set(t)) != len(t):
+        raise InputValueError(f"{name} has repeated positions: {v!r}.")
+    return t
+
+
+def _check_args(args: tuple[Any, ...], cfg: ClipConfig) -> None:
+    needed = max(cfg.argnums + cfg.batch_argnums) + 1
+    if len(args) < needed:
+        raise InputValueError(
+            f"the clipped gradient function got {len(args)} positional arguments but argnums={cfg.argnums} "
+            f"and batch_argnums={cfg.batch_argnums} need at least {needed}."
+        )
+    for a in cfg.argnums:
+        paths, flat, _ = tree_flatten_with_paths(args[a])
+        for p, leaf in zip(paths, flat):
+            if not isinstance(leaf, torch.Tensor):
+                raise InputTypeError(
+                    f"argument {a} (differentiated) has a non-tensor leaf at {p}: {type(leaf).__name__}. "
+                    "Parameters must be tensors; pass constants through a non-differentiated argument or a closure."
+                )
+            if not leaf.is_floating_point():
+                raise InputTypeError(
+                    f"argument {a} (differentiated) has a {leaf.dtype} leaf at {p}; only floating-point tensors "
+                    "can be differentiated."
+                )
+
+
+def _diff_tree(args: tuple[Any, ...], cfg: ClipConfig) -> Any:
+    return args[cfg.argnums[0]] if cfg.single_argnum else tuple(args[a] for a in cfg.argnums)
+
+
+def _leaf_groups(clipping_norm: float | PerGroup, paths: list[tuple[Any, ...]]) -> tuple[list[str], list[int]]:
+    if not isinstance(clipping_norm, PerGroup):
+        return ["all"], [0] * len(paths)
+    names = sorted(clipping_norm.values)
+    index = {n: i for i, n in enumerate(names)}
+    missing = [p for p in paths if p not in clipping_norm.groups]
+    if missing:
+        raise InputValueError(
+            f"per-group clipping: the parameter leaves at {missing[:5]}{'...' if len(missing) > 5 else ''} belong "
+            "to no group. Build the PerGroup with opake_fx.dpsgd.clipping.per_group(params, ...) so every leaf "
+            "is assigned (a catch-all pattern '*' helps)."
+        )
+    return names, [index[clipping_norm.groups[p]] for p in paths]
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Sums of many clipped gradients are kept in at least float32 (bf16/fp16 models too).
+    return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else torch.float32
+
+
+def _slice_batch(args: tuple[Any, ...], cfg: ClipConfig, start: int, stop: int) -> tuple[Any, ...]:
+    if start == 0 and stop == batch_size_of(args, cfg):
+        return args
+    return tuple(
+        optree.tree_map(lambda t: t[start:stop], a, namespace=NAMESPACE) if i in cfg.batch_argnums else a
+        for i, a in enumerate(args)
+    )
+
+
+def _concat_aux(parts: list[Any]) -> Any:
+    if len(parts) == 1:
+        return parts[0]
+    return optree.tree_map(lambda *xs: torch.cat(xs), *parts, namespace=NAMESPACE)

@@ -1,0 +1,74 @@
+"""States and diagnostic outputs of the clipping functions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from opake_fx.types import PerGroup
+
+__all__ = ["FixedClipState", "ClippingStats", "ClippedGradAux"]
+
+
+@dataclass(frozen=True)
+class FixedClipState:
+    """State of fixed-norm clipping: the clip norm and the number of calls so far.
+
+    Fixed clipping needs no state for its own sake; the state records the clip norm so
+    that ``sync`` can check every rank uses the same one.
+    """
+
+    clipping_norm: float | PerGroup
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class ClippingStats:
+    """Aggregate clipping statistics of one call (``return_stats=True``).
+
+    Not private: computed from the raw per-example norms. Log them for debugging only,
+    or release them through a DP mechanism of their own.
+
+    Attributes:
+        num_clipped: examples whose gradient norm exceeded the clip norm (per group
+            name for per-group clipping).
+        clipping_rate: ``num_clipped / batch_size`` (0 for an empty batch).
+        batch_size: number of examples in the batch.
+        num_nonfinite: examples whose gradient had a NaN or inf; they were zeroed.
+    """
+
+    num_clipped: float | dict[str, float]
+    clipping_rate: float | dict[str, float]
+    batch_size: int
+    num_nonfinite: int = 0
+
+
+@dataclass(frozen=True)
+class ClippedGradAux:
+    """Per-example diagnostics of one call (``return_aux=True``).
+
+    Every field depends on single examples (not private): use them for debugging, or
+    aggregate them with a DP mechanism before release.
+
+    Attributes:
+        loss_values: per-example losses, shape ``[B]``.
+        grad_norms: per-example gradient L2 norms before clipping, ``[B]`` (over all
+            groups together for per-group clipping).
+        clipped_grad_norms: per-example norms after clipping, ``[B]``.
+        loss_aux: the per-example auxiliary output of ``loss_fn`` when ``has_aux``.
+        clipping_rate: fraction of examples that were clipped (``None`` per group).
+        batch_size: number of examples.
+        group_norms: group name -> per-example norms ``[B]``, for per-group clipping.
+        num_nonfinite: examples zeroed because their gradient had a NaN or inf.
+    """
+
+    loss_values: torch.Tensor
+    grad_norms: torch.Tensor
+    clipped_grad_norms: torch.Tensor
+    loss_aux: Any = None
+    clipping_rate: float | None = None
+    batch_size: int = 0
+    group_norms: dict[str, torch.Tensor] | None = None
+    num_nonfinite: int = 0

@@ -1,0 +1,170 @@
+"""The Gaussian mechanism for clipped gradients: :func:`gaussian_noise` and the ``noise`` stage.
+
+Step ``t`` draws its noise from ``fold_in(key, t)``: the same key on every rank gives
+bit-identical noise after the all-reduce, and a checkpointed state resumes the exact
+noise sequence. The global torch RNG is never touched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Literal
+
+import torch
+
+from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError
+from opake_fx.pytree import structure, tree_flatten_with_paths
+from opake_fx.random import RngKey, fold_in, normal, split
+from opake_fx.transforms import Transform
+from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup
+
+__all__ = ["GaussianNoiseState", "gaussian_noise", "noise", "noise_stddev_for"]
+
+Allocation = Literal["optimal", "isotropic"]
+
+
+@dataclass(frozen=True)
+class GaussianNoiseState:
+    """State of :func:`gaussian_noise`: the key and the number of steps taken.
+
+    Both must be identical on every rank (``opake_fx.distributed.sync`` checks it).
+    """
+
+    key: RngKey
+    step: int = 0
+
+
+def gaussian_noise(
+    *,
+    noise_multiplier: float,
+    key: RngKey,
+    allocation: Allocation = "optimal",
+    exact: bool = False,
+) -> tuple[Callable[[ClippedPytree, GaussianNoiseState], tuple[NoisedPytree, GaussianNoiseState]], GaussianNoiseState]:
+    """Makes the Gaussian mechanism for :class:`~opake_fx.types.ClippedPytree` inputs.
+
+    ``noise_fn(clipped, state)`` adds ``N(0, std^2)`` to every coordinate with
+    ``std = noise_multiplier * clipped.max_norm`` and returns a
+    :class:`~opake_fx.types.NoisedPytree` (``noise_stddev = std``). For a per-group
+    ``max_norm`` (clip norms ``C_g``) the stddev is allocated per group:
+    ``"optimal"`` gives group g ``noise_multiplier * sqrt(C_g * sum_j C_j)`` (the
+    MSE-optimal split at the same privacy), ``"isotropic"`` gives every coordinate
+    ``noise_multiplier * sqrt(sum_j C_j**2)``.
+
+    Args:
+        noise_multiplier: sigma, the noise stddev in units of the sensitivity (>= 0;
+            0 adds nothing).
+        key: the noise key; pass the SAME key on every rank under DDP.
+        allocation: per-group stddev allocation (ignored for a scalar ``max_norm``).
+        exact: draw JAX-identical Threefry normals (slow; for tests).
+
+    Privacy:
+        Each call is the Gaussian mechanism with noise multiplier ``noise_multiplier``
+        on a query of sensitivity ``max_norm``: account for it as
+        ``opake_fx.dpsgd.accounting.gaussian(noise_multiplier)`` (inside ``poisson`` for
+        Poisson-sampled batches). Both per-group allocations cost exactly that. Refuses
+        anything that is not a ``ClippedPytree`` (unclipped gradients have unbounded
+        sensitivity) and a ``NoisedPytree`` (noise is added once, after aggregation).
+
+    Example:
+        >>> import torch
+        >>> from opake_fx.random import key
+        >>> noise_fn, s = gaussian_noise(noise_multiplier=1.0, key=key(42))
+        >>> out, s = noise_fn(ClippedPytree((torch.zeros(3),), max_norm=0.5), s)
+        >>> out.noise_stddev, s.step
+        (0.5, 1)
+    """
+    _check_noise_multiplier(noise_multiplier)
+    if not isinstance(key, RngKey):
+        raise InputTypeError(
+            f"gaussian_noise needs key=opake_fx.random.key(seed); got {type(key).__name__}. "
+            "Use the same key on every rank so all ranks add identical noise."
+        )
+    if allocation not in ("optimal", "isotropic"):
+        raise InputValueError(f"allocation must be 'optimal' or 'isotropic'; got {allocation!r}.")
+
+    def noise_fn(clipped: ClippedPytree, state: GaussianNoiseState) -> tuple[NoisedPytree, GaussianNoiseState]:
+        _check_input(clipped, noise_multiplier)
+        if not isinstance(state, GaussianNoiseState):
+            raise InputTypeError(
+                f"noise_fn needs the GaussianNoiseState it returned; got {type(state).__name__}."
+            )
+        new_state = replace(state, step=state.step + 1)
+        std = noise_stddev_for(clipped.max_norm, noise_multiplier, allocation)
+        if noise_multiplier == 0.0:
+            return NoisedPytree(clipped.pytree, clipped.max_norm, noise_stddev=std), new_state
+        step_key = fold_in(state.key, state.step)
+        paths, leaves, _ = tree_flatten_with_paths(clipped.pytree)
+        if not leaves:
+            return NoisedPytree(clipped.pytree, clipped.max_norm, noise_stddev=std), new_state
+        leaf_keys = iter(split(step_key, len(leaves)))
+        def add_noise(path_leaf: tuple[tuple[Any, ...], torch.Tensor]) -> torch.Tensor:
+            path, leaf = path_leaf
+            sd = std.for_path(path) if isinstance(std, PerGroup) else std
+            z = normal(next(leaf_keys), leaf.shape, dtype=leaf.dtype, device=leaf.device, exact=exact)
+            return leaf + sd * z
+
+        noised = structure(clipped.pytree).unflatten([add_noise(pl) for pl in zip(paths, leaves)])
+        return NoisedPytree(noised, clipped.max_norm, noise_stddev=std), new_state
+
+    return noise_fn, GaussianNoiseState(key=key)
+
+
+def noise(*, noise_multiplier: float, key: RngKey, allocation: Allocation = "optimal") -> Transform:
+    """:func:`gaussian_noise` as a chain stage (``ClippedPytree`` in, ``NoisedPytree`` out).
+
+    Privacy: as :func:`gaussian_noise`.
+    """
+    noise_fn, state0 = gaussian_noise(noise_multiplier=noise_multiplier, key=key, allocation=allocation)
+
+    def update(x: Any, state: GaussianNoiseState, params: Any = None, **extra: Any) -> tuple[NoisedPytree, Any]:
+        return noise_fn(x, state)
+
+    return Transform(lambda params: state0, update)
+
+
+def noise_stddev_for(max_norm: float | PerGroup, noise_multiplier: float, allocation: Allocation = "optimal") -> float | PerGroup:
+    """The stddev the Gaussian mechanism adds for a given ``max_norm``.
+
+    Scalar: ``noise_multiplier * max_norm``. Per group with norms ``C_g``: optimal
+    ``noise_multiplier * sqrt(C_g * sum_j C_j)`` per group, isotropic
+    ``noise_multiplier * sqrt(sum_j C_j**2)``. Both satisfy
+    ``sum_g C_g**2 / std_g**2 = noise_multiplier**-2``, i.e. the privacy of
+    ``gaussian(noise_multiplier)``.
+    """
+    if isinstance(max_norm, PerGroup):
+        if allocation == "isotropic" or noise_multiplier == 0.0:
+            return noise_multiplier * max_norm.effective
+        total = sum(max_norm.values.values())
+        return max_norm.map(lambda c: noise_multiplier * math.sqrt(c * total))
+    if noise_multiplier == 0.0:
+        return 0.0
+    return noise_multiplier * float(max_norm)
+
+
+def _check_noise_multiplier(nm: Any) -> None:
+    if isinstance(nm, bool) or not isinstance(nm, (int, float)) or math.isnan(nm) or nm < 0 or math.isinf(nm):
+        raise InputValueError(
+            f"noise_multiplier must be a finite number >= 0; got {nm!r}. Calibrate it for a target epsilon "
+            "with opake_fx.accounting.calibrate."
+        )
+
+
+def _check_input(x: Any, noise_multiplier: float) -> None:
+    if isinstance(x, NoisedPytree):
+        raise NoiseInputError(
+            "gaussian_noise got a NoisedPytree: this gradient is already noised. Add noise once, after the "
+            "clipped gradients are aggregated across ranks."
+        )
+    if not isinstance(x, ClippedPytree):
+        raise NoiseInputError(
+            "gaussian_noise expects a ClippedPytree (the output of clipped_grad or the clip stage); "
+            f"got {type(x).__name__}. Clip first: noise on unclipped gradients has no privacy guarantee."
+        )
+    if noise_multiplier > 0 and not math.isfinite(x.sensitivity):
+        raise NoiseInputError(
+            f"gaussian_noise got a ClippedPytree with max_norm={x.max_norm} (clipping_norm=inf): its sensitivity "
+            "is unbounded, so no amount of noise makes it private. Set a finite clipping_norm, or "
+            "noise_multiplier=0 for a non-private run."
+        )

@@ -1,0 +1,144 @@
+"""Bridges from ``nn.Module`` and ``DataLoader`` to the functional world.
+
+* :func:`make_functional` turns a module into ``fmodel(params, *inputs)`` plus a tuple
+  of parameters, usable under ``torch.func.grad`` and ``torch.func.vmap``.
+* :func:`empty_collate` makes a collate function return correctly shaped empty
+  tensors for the empty batches that Poisson sampling produces.
+
+Example:
+    >>> import torch
+    >>> fmodel, params = make_functional(torch.nn.Linear(3, 2))
+    >>> fmodel(params, torch.ones(4, 3)).shape
+    torch.Size([4, 2])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+from torch import nn
+
+from opake_fx.errors import InputTypeError, OperationError
+
+__all__ = ["FunctionalModel", "make_functional", "empty_collate", "with_batch_dim"]
+
+
+class FunctionalModel:
+    """A module seen as a pure function of its parameters: ``fmodel(params, *args, **kwargs)``.
+
+    ``params`` is a tuple of tensors in ``model.parameters()`` order (the order of
+    :attr:`param_names`); buffers (e.g. GroupNorm statistics are not buffers, but
+    BatchNorm running stats are) are read from the module. Tied parameters appear once.
+
+    Attributes:
+        model: the wrapped module (its own parameters are never used by ``__call__``).
+        param_names: names of the parameters, aligned with ``params``.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.param_names: tuple[str, ...] = tuple(name for name, _ in model.named_parameters())
+
+    def __call__(self, params: Sequence[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        if len(params) != len(self.param_names):
+            raise InputTypeError(
+                f"this model has {len(self.param_names)} parameters but {len(params)} were given; "
+                "pass the params tuple that make_functional returned (or an update of it)."
+            )
+        buffers = dict(self.model.named_buffers())
+        state = {**buffers, **dict(zip(self.param_names, params))}
+        return torch.func.functional_call(self.model, state, args, kwargs)
+
+    def named(self, params: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``params`` as a ``{name: tensor}`` dict (e.g. to load back into the module)."""
+        return dict(zip(self.param_names, params))
+
+    def load_into_model(self, params: Sequence[torch.Tensor]) -> nn.Module:
+        """Copies ``params`` into the wrapped module's parameters and returns the module."""
+        with torch.no_grad():
+            for p, new in zip(self.model.parameters(), params, strict=True):
+                p.copy_(new)
+        return self.model
+
+
+def make_functional(model: nn.Module) -> tuple[FunctionalModel, tuple[torch.Tensor, ...]]:
+    """Splits ``model`` into a pure function and its parameters.
+
+    Returns:
+        ``(fmodel, params)``: ``fmodel(params, *inputs)`` runs the module with
+        ``params`` in place of its own parameters (works under ``torch.func.vmap`` and
+        ``grad``); ``params`` is a tuple of detached tensors in ``model.parameters()``
+        order.
+
+    Privacy: none by itself; it only changes how the model is called.
+
+    Example:
+        >>> import torch
+        >>> fmodel, params = make_functional(torch.nn.Linear(2, 1))
+        >>> [tuple(p.shape) for p in params]
+        [(1, 2), (1,)]
+    """
+    if not isinstance(model, nn.Module):
+        raise InputTypeError(f"make_functional needs an nn.Module; got {type(model).__name__}.")
+    fmodel = FunctionalModel(model)
+    params = tuple(p.detach() for p in model.parameters())
+    return fmodel, params
+
+
+def with_batch_dim(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Adapts a batched function to single examples: adds a leading batch dim of 1 to
+    every tensor argument and removes it from the output.
+
+    Handy for writing the per-example ``loss_fn`` that ``clipped_grad`` vmaps over
+    from a model that expects batches.
+    """
+
+    def per_example(*args: Any, **kwargs: Any) -> Any:
+        def add(x: Any) -> Any:
+            return x.unsqueeze(0) if isinstance(x, torch.Tensor) else x
+
+        out = fn(*optree.tree_map(add, args), **kwargs)
+        return optree.tree_map(lambda x: x.squeeze(0) if isinstance(x, torch.Tensor) and x.dim() > 0 else x, out)
+
+    return per_example
+
+
+def empty_collate(collate: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    """Wraps ``collate`` so that an empty batch gives correctly shaped empty tensors.
+
+    Poisson sampling can draw an empty batch; most collate functions fail on ``[]``.
+    Call the wrapped function once with one example (``collate([dataset[0]])``) to
+    prime it: it remembers the structure, trailing shapes and dtypes of the output, and
+    from then on returns tensors of shape ``(0, *trailing)`` for an empty batch.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import default_collate
+        >>> c = empty_collate(default_collate)
+        >>> _ = c([(torch.zeros(3), torch.tensor(1))])
+        >>> [t.shape for t in c([])]
+        [torch.Size([0, 3]), torch.Size([0])]
+    """
+    template: list[Any] = []
+
+    def wrapped(batch: list[Any]) -> Any:
+        if len(batch) == 0:
+            if not template:
+                raise OperationError(
+                    "empty_collate got an empty batch before it was primed. Call it once with one "
+                    "example first, e.g. collate([dataset[0]]), so it knows the shapes to return."
+                )
+            return optree.tree_map(
+                lambda t: torch.empty((0, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                if isinstance(t, torch.Tensor)
+                else t,
+                template[0],
+            )
+        out = collate(batch)
+        if not template:
+            template.append(optree.tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, out))
+        return out
+
+    return wrapped
