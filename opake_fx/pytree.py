@@ -38,6 +38,7 @@ __all__ = [
     "scale",
     "vdot",
     "global_norm",
+    "safe_norm",
     "zeros_like",
     "ones_like",
     "cast",
@@ -100,16 +101,35 @@ def vdot(a: PyTree, b: PyTree) -> torch.Tensor:
 
 
 def global_norm(tree: PyTree) -> torch.Tensor:
-    """The L2 norm of all leaves taken together (a 0-dim tensor).
+    """The L2 norm of all leaves taken together (a float64 0-dim tensor).
 
-    Computed from per-leaf norms, so it neither overflows for huge leaves nor
-    underflows for tiny ones (``torch.linalg.vector_norm`` rescales internally).
+    Computed in float64 from per-leaf norms (see :func:`safe_norm`), so float32 leaves
+    of 1e30 or 1e-30 give the right answer instead of inf or 0.
     """
-    norms = [torch.linalg.vector_norm(leaf.float() if not leaf.is_floating_point() else leaf) for leaf in leaves(tree)]
+    norms = [safe_norm(leaf) for leaf in leaves(tree)]
     if not norms:
-        return torch.zeros(())
+        return torch.zeros((), dtype=torch.float64)
     device = norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(device=device, dtype=torch.float64) for n in norms]))
+    return safe_norm(torch.stack([n.to(device) for n in norms]))
+
+
+def safe_norm(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """L2 norm in float64 (over ``dim``, or all entries) that neither over- nor underflows.
+
+    Squares are taken in float64, which holds the square of any float32 value; for
+    float64 inputs whose squares overflow, the affected rows are rescaled by their
+    largest entry. A NaN or inf entry gives a NaN or inf norm.
+    """
+    if not x.is_floating_point():
+        x = x.double()
+    n = torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64)
+    if x.dtype == torch.float64:
+        overflow = torch.isinf(n) & (torch.isfinite(x).all() if dim is None else torch.isfinite(x).all(dim=dim))
+        if bool(overflow.any()):
+            amax = x.abs().amax(dim=dim, keepdim=dim is not None).clamp_min(torch.finfo(torch.float64).tiny)
+            rescaled = torch.linalg.vector_norm(x / amax, dim=dim) * (amax.squeeze(dim) if dim is not None else amax)
+            n = torch.where(overflow, rescaled, n)
+    return n
 
 
 def zeros_like(tree: PyTree) -> PyTree:

@@ -22,7 +22,7 @@ import torch
 
 from opake_fx.dpsgd.clipping.types import ClippedGradAux, ClippingStats
 from opake_fx.errors import InputTypeError, InputValueError
-from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths
+from opake_fx.pytree import NAMESPACE, safe_norm, tree_flatten_with_paths
 from opake_fx.types import ClippedPytree, PerGroup
 
 Norms = torch.Tensor  # float64, shape [G, B]
@@ -261,18 +261,9 @@ def group_norms(grad_leaves: list[torch.Tensor], leaf_group: list[int], num_grou
     if not grad_leaves:
         raise InputValueError("nothing to differentiate: the differentiated arguments have no tensor leaves.")
     batch = grad_leaves[0].shape[0]
-    device = grad_leaves[0].device
-    sq = torch.zeros((num_groups, batch), dtype=torch.float64, device=device)
-    for g_leaf, grp in zip(grad_leaves, leaf_group):
-        flat = g_leaf.reshape(batch, -1)
-        n = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
-        overflow = torch.isinf(n) & torch.isfinite(flat).all(dim=1) if flat.dtype == torch.float64 else None
-        if overflow is not None and bool(overflow.any()):
-            # Finite float64 entries whose squares overflow: rescale by the per-example max.
-            amax = flat.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
-            n = torch.where(overflow, torch.linalg.vector_norm(flat / amax, dim=1) * amax.squeeze(1), n)
-        sq[grp] += n.square()
-    return sq.sqrt()
+    leaf_norms = torch.stack([safe_norm(g.reshape(batch, -1), dim=1) for g in grad_leaves])  # [L, B]
+    group_of = torch.tensor(leaf_group, device=leaf_norms.device)
+    return torch.stack([safe_norm(leaf_norms[group_of == g], dim=0) for g in range(num_groups)])
 
 
 def batch_size_of(args: tuple[Any, ...], cfg: ClipConfig) -> int:

@@ -1,0 +1,125 @@
+"""Tree math, DP wrapper types and the Transform/chain contract."""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import pytest
+import torch
+from hypothesis import given
+
+from opake_fx import pytree as pt
+from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.testing import assert_trees_close, pytrees
+from opake_fx.transforms import Transform, apply_updates, chain, identity, named_chain, stateless, unwrap
+from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup, SecondMomentClippingOutput
+
+
+def test_tree_math_basics():
+    a = {"w": torch.ones(2, 2), "b": torch.full((3,), 2.0)}
+    b = pt.scale(a, 2.0)
+    assert_trees_close(pt.sub(b, a), a)
+    assert_trees_close(pt.add(a, a), b)
+    assert float(pt.vdot(a, a)) == pytest.approx(4 + 12)
+    assert float(pt.global_norm(a)) == pytest.approx(4.0)
+    assert_trees_close(pt.zeros_like(a), pt.scale(a, 0.0))
+    assert pt.cast(a, torch.float64)["w"].dtype == torch.float64
+
+
+@given(tree=pytrees())
+def test_global_norm_neither_overflows_nor_underflows(tree):
+    expected = math.sqrt(sum(float((leaf.double() ** 2).sum()) for leaf in pt.leaves(tree)))
+    got = float(pt.global_norm(tree))
+    assert got == pytest.approx(expected, rel=1e-6) or (expected == 0 and got == 0)
+
+
+def test_partition_merge_roundtrip():
+    t = {"enc": {"w": torch.ones(2), "b": torch.zeros(1)}, "head": (torch.ones(3),)}
+    sel, rest = pt.partition(lambda path, leaf: path[-1] == "b", t)
+    assert sel["enc"]["w"] is None and rest["enc"]["b"] is None
+    assert_trees_close(pt.merge(sel, rest), t)
+
+
+def test_flatten_with_paths_names_leaves():
+    paths, leaves, _ = pt.tree_flatten_with_paths({"a": (torch.ones(1), torch.ones(1))})
+    assert paths == [("a", 0), ("a", 1)]
+
+
+def test_wrappers_are_tree_nodes_and_keep_metadata():
+    g = ClippedPytree({"w": torch.ones(2)}, max_norm=0.5)
+    doubled = pt.tree_map(lambda x: 2 * x, g)
+    assert isinstance(doubled, ClippedPytree) and doubled.max_norm == 0.5
+    n = NoisedPytree({"w": torch.ones(2)}, max_norm=0.5, noise_stddev=1.5)
+    assert pt.tree_map(torch.neg, n).noise_stddev == 1.5
+    assert len(optree.tree_leaves(n, namespace=pt.NAMESPACE)) == 1
+    sm = SecondMomentClippingOutput(g, g)
+    assert len(pt.leaves(sm)) == 2
+
+
+def test_wrapper_scalar_arithmetic_scales_sensitivity():
+    g = ClippedPytree((torch.ones(2),), max_norm=0.5)
+    assert (g * 2).max_norm == 1.0 and (g / 2).max_norm == 0.25 and (-g).max_norm == 0.5
+    n = NoisedPytree((torch.ones(2),), max_norm=0.5, noise_stddev=2.0)
+    assert (n * 3).noise_stddev == 6.0 and isinstance(n * 3, NoisedPytree)
+    with pytest.raises(InputTypeError):
+        g * torch.tensor(2.0)
+    with pytest.raises(InputTypeError):
+        g + g
+
+
+def test_clone_is_deep_for_tensors():
+    g = ClippedPytree([torch.zeros(2)], max_norm=1.0)
+    c = g.clone()
+    c.pytree[0].add_(1)
+    assert float(g.pytree[0].sum()) == 0.0 and c.max_norm == 1.0
+
+
+def test_per_group_values():
+    pg = PerGroup({"w": "a", ("enc", "b"): "b"}, {"a": 3.0, "b": 4.0})
+    assert pg.effective == 5.0
+    assert pg.for_path(("w",)) == 3.0 and pg.for_path(("enc", "b")) == 4.0
+    assert (pg * 2).values["a"] == 6.0
+    with pytest.raises(InputValueError):
+        PerGroup({"w": "missing"}, {"a": 1.0})
+    with pytest.raises(InputValueError):
+        PerGroup({"w": "a"}, {"a": -1.0})
+
+
+def test_chain_threads_state_and_ignores_unknown_extras():
+    def counter() -> Transform:
+        def update(x, state, params=None, **extra):
+            return x + 1, state + 1
+
+        return Transform(lambda params: 0, update)
+
+    t = chain(counter(), identity(), counter())
+    out, state = t.update(0, t.init(None), None, some_unknown_flag=True)
+    assert out == 2 and state[0] == 1 and state[2] == 1
+    out, state = t.update(out, state)
+    assert out == 4 and state == (2, state[1], 2)
+
+
+def test_named_chain_states_by_name():
+    t = named_chain(("double", stateless(lambda x, params=None: 2 * x)), ("id", identity()))
+    out, state = t.update(3, t.init(None))
+    assert out == 6 and list(state) == ["double", "id"]
+    with pytest.raises(InputValueError):
+        named_chain(("a", identity()), ("a", identity()))
+    with pytest.raises(InputValueError):
+        t.update(3, {"wrong": None})
+
+
+def test_chain_rejects_non_transforms_and_wrong_state():
+    with pytest.raises(InputTypeError):
+        chain(identity(), lambda x: x)  # type: ignore[arg-type]
+    with pytest.raises(InputValueError):
+        chain(identity()).update(1, ())
+
+
+def test_apply_updates_is_pure_and_unwraps():
+    params = (torch.ones(2),)
+    new = apply_updates(params, NoisedPytree((torch.full((2,), 0.5),), 1.0, noise_stddev=0.0))
+    assert torch.equal(params[0], torch.ones(2))
+    assert torch.equal(new[0], torch.full((2,), 1.5))
+    assert unwrap(3) == 3

@@ -1,0 +1,155 @@
+"""opake_fx.random against jax.random fixtures, plus its own contracts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.random import RngKey, bits, fold_in, key, key_data, normal, split, tree_normal, uniform, wrap_key_data
+
+
+def test_key_words_match_jax(threefry_fixtures):
+    for case in threefry_fixtures["cases"]:
+        assert list(key(case["seed"]).words) == case["key"]
+
+
+def test_split_matches_jax(threefry_fixtures):
+    for case in threefry_fixtures["cases"]:
+        k = key(case["seed"])
+        assert [list(c.words) for c in split(k)] == case["split2"]
+        assert [list(c.words) for c in split(k, 3)] == case["split3"]
+
+
+def test_fold_in_matches_jax(threefry_fixtures):
+    for case in threefry_fixtures["cases"]:
+        k = key(case["seed"])
+        for data, words in case["fold_in"].items():
+            assert list(fold_in(k, int(data)).words) == words
+
+
+def test_bits_and_uniform_match_jax_exactly(threefry_fixtures):
+    for case in threefry_fixtures["cases"]:
+        k = key(case["seed"])
+        assert bits(k, (8,)).tolist() == case["bits_8"]
+        assert bits(k, (2, 3)).tolist() == case["bits_2x3"]
+        assert bits(k, (2, 3), dtype=torch.uint32).to(torch.int64).tolist() == case["bits_2x3"]
+        assert uniform(k, (8,)).tolist() == case["uniform_8"]
+
+
+def test_exact_normal_matches_jax(threefry_fixtures):
+    for case in threefry_fixtures["cases"]:
+        k = key(case["seed"])
+        for n in (8, 5):
+            got = normal(k, (n,), exact=True)
+            torch.testing.assert_close(got, torch.tensor(case[f"normal_{n}"]), rtol=1e-6, atol=1e-6)
+
+
+def test_key_is_immutable_hashable_printable():
+    k = key(7)
+    assert {k: 1}[key(7)] == 1
+    assert repr(k) == "RngKey(0, 7)"
+    with pytest.raises(Exception):
+        k.words = (1, 2)  # type: ignore[misc]
+
+
+def test_big_seed_uses_both_words():
+    assert key(2**32 + 5).words == (1, 5)
+
+
+@pytest.mark.parametrize("bad", [1.5, "3", None])
+def test_key_rejects_non_int(bad):
+    with pytest.raises(InputTypeError):
+        key(bad)
+
+
+def test_rngkey_rejects_out_of_range_words():
+    with pytest.raises(InputValueError):
+        RngKey((0, 2**32))
+
+
+def test_fast_normal_is_deterministic_and_uses_no_global_rng():
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    a = normal(key(1), (1000,))
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert torch.equal(a, normal(key(1), (1000,)))
+    assert not torch.equal(a, normal(key(2), (1000,)))
+
+
+def test_fast_normal_moments():
+    x = normal(key(3), (200_000,), dtype=torch.float64)
+    # mean ~ N(0, 1/n), var ~ N(1, 2/n): 5-sigma bands.
+    n = x.numel()
+    assert abs(float(x.mean())) < 5 / n**0.5
+    assert abs(float(x.var()) - 1) < 5 * (2 / n) ** 0.5
+
+
+def test_fast_normal_speed_is_close_to_randn():
+    # A sanity bound only (the real ratio is checked by benchmarks): 10M floats.
+    torch.randn(10)
+    t0 = time.perf_counter()
+    torch.randn(10_000_000)
+    base = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    normal(key(4), (10_000_000,))
+    ours = time.perf_counter() - t0
+    assert ours < 5 * base + 0.05
+
+
+def test_tree_normal_one_subkey_per_leaf():
+    tree = {"a": torch.zeros(3), "b": (torch.zeros(2, 2, dtype=torch.float64),)}
+    out = tree_normal(key(5), tree)
+    ka, kb = split(key(5), 2)
+    assert torch.equal(out["a"], normal(ka, (3,)))
+    assert torch.equal(out["b"][0], normal(kb, (2, 2), dtype=torch.float64))
+
+
+def test_tree_normal_rejects_non_tensor_leaf():
+    with pytest.raises(InputTypeError):
+        tree_normal(key(0), {"a": 1.0})
+
+
+def test_tensor_keys_match_rngkey_path():
+    keys = [key(0), key(1), fold_in(key(9), 3)]
+    kd = key_data(keys)
+    assert wrap_key_data(kd) == keys
+    children = split(kd, 3)
+    for row, k in zip(children, keys):
+        assert wrap_key_data(row) == list(split(k, 3))
+    folded = fold_in(kd, 7)
+    assert wrap_key_data(folded) == [fold_in(k, 7) for k in keys]
+
+
+def test_vmap_over_stacked_keys_equals_loop():
+    keys = [fold_in(key(11), i) for i in range(6)]
+    kd = key_data(keys)
+
+    def draw(k: torch.Tensor) -> torch.Tensor:
+        return normal(fold_in(k, 2), (4,)) + uniform(k, (4,))
+
+    batched = torch.func.vmap(draw)(kd)
+    looped = torch.stack([normal(fold_in(k, 2), (4,), exact=True) + uniform(k, (4,)) for k in keys])
+    torch.testing.assert_close(batched, looped, rtol=0, atol=0)
+
+
+@given(seed=st.integers(0, 2**64 - 1), data=st.integers(0, 2**32 - 1))
+def test_fold_in_of_tensor_equals_rngkey(seed, data):
+    k = key(seed)
+    assert wrap_key_data(fold_in(k.to_tensor(), data)) == fold_in(k, data)
+
+
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 5))
+def test_split_prefix_property(seed, n):
+    k = key(seed)
+    assert split(k, n + 1)[:n] == split(k, n)
+
+
+def test_uniform_range_and_dtype():
+    u = uniform(key(0), (1000,), minval=-2.0, maxval=3.0, dtype=torch.float64)
+    assert u.dtype == torch.float64
+    assert float(u.min()) >= -2.0 and float(u.max()) < 3.0
