@@ -187,7 +187,7 @@ def bits(k: KeyLike, shape: Sequence[int] = (), dtype: torch.dtype = torch.int64
     kt = k.to_tensor() if isinstance(k, RngKey) else _check_key_tensor(k)
     counters = torch.arange(n, dtype=torch.int64, device=kt.device)
     y0, y1 = _hash_counters(kt, counters)
-    out = (y0 ^ y1).reshape(*kt.shape[:-1], *shape)
+    out = (y0 ^ y1).reshape((*kt.shape[:-1], *shape))
     if dtype == torch.int64:
         return out
     if dtype == torch.uint32:
