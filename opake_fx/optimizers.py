@@ -1,0 +1,406 @@
+"""Optimizers as pure transforms (the optax contract): ``sgd``, ``adam``, ``adamw``.
+
+Each returns a :class:`~opake_fx.transforms.Transform`::
+
+    state = opt.init(params)
+    updates, state = opt.update(grads, state, params)
+    params = apply_updates(params, updates)        # params + updates
+
+``updates`` are to be *added* to the parameters (``-learning_rate * direction``), exactly
+as in optax. Gradients may be plain pytrees or the DP wrappers
+(:class:`~opake_fx.types.ClippedPytree`, :class:`~opake_fx.types.NoisedPytree`); the
+updates are plain pytrees. Nothing is modified in place: ``grads``, ``params`` and the
+old state are left untouched, and the numbers match ``torch.optim.SGD``, ``Adam`` and
+``AdamW`` step for step.
+
+``learning_rate`` is a float or a schedule (:mod:`opake_fx.scheduling`), called with the
+number of updates already applied (0 for the first update).
+
+DP bias correction (DP-AdamBC; Tang, Shpilevskiy & Lécuyer, AAAI 2024): the Gaussian
+noise of DP-SGD adds its variance ``Phi = noise_stddev**2`` to every coordinate of
+Adam's second moment, so ``sqrt(v_hat)`` is dominated by noise and DP-Adam behaves like
+DP-SGD with a rescaled learning rate. ``adam(..., dp_bias_correction=...)`` subtracts
+``Phi`` and divides by ``sqrt(max(v_hat - Phi, gamma))`` instead of ``sqrt(v_hat) + eps``.
+
+Privacy: optimizers are post-processing of their input: applied to a ``NoisedPytree``
+they change no guarantee. They add no privacy either: applied to a plain or merely
+clipped gradient, the result is not private.
+
+Example:
+    >>> import torch
+    >>> from opake_fx.transforms import apply_updates
+    >>> params = {"w": torch.ones(2)}
+    >>> opt = sgd(0.1, momentum=0.9)
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update({"w": torch.ones(2)}, state, params)
+    >>> [round(x, 6) for x in apply_updates(params, updates)["w"].tolist()]
+    [0.9, 0.9]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any, Callable, Literal
+
+import optree
+import torch
+
+from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths, zeros_like
+from opake_fx.transforms import Transform, unwrap
+from opake_fx.types import NoisedPytree, PerGroup
+
+__all__ = ["SgdState", "AdamState", "sgd", "adam", "adamw"]
+
+ScalarOrSchedule = float | Callable[[int], float]
+BiasCorrection = float | Literal["auto"] | None
+
+
+@dataclass(frozen=True)
+class SgdState:
+    """State of :func:`sgd`: ``count`` updates applied, and the momentum buffers (``None`` without momentum)."""
+
+    count: int
+    momentum: Any = None
+
+
+@dataclass(frozen=True)
+class AdamState:
+    """State of :func:`adam` / :func:`adamw`: ``count`` updates applied, first (``mu``) and second (``nu``) moments."""
+
+    count: int
+    mu: Any
+    nu: Any
+
+
+def sgd(
+    learning_rate: ScalarOrSchedule,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> Transform:
+    """Stochastic gradient descent with optional (Nesterov) momentum and L2 weight decay.
+
+    Matches ``torch.optim.SGD`` (dampening 0)::
+
+        g = grad + weight_decay * params
+        buf = momentum * buf + g                # buf starts at 0, so buf_1 = g_1
+        d = g + momentum * buf if nesterov else buf
+        updates = -learning_rate(count) * d
+
+    Args:
+        learning_rate: a float >= 0 or a schedule ``step -> float``.
+        momentum: momentum factor >= 0 (0 disables the buffers).
+        nesterov: use Nesterov momentum (needs ``momentum > 0``).
+        weight_decay: L2 penalty added to the gradient; needs ``params`` in ``update``.
+
+    Privacy: post-processing of the gradient it is given.
+
+    Example:
+        >>> import torch
+        >>> opt = sgd(0.5)
+        >>> updates, _ = opt.update([torch.ones(2)], opt.init(None))
+        >>> updates[0].tolist()
+        [-0.5, -0.5]
+    """
+    _check_lr(learning_rate, "sgd")
+    momentum = _nonneg(momentum, "sgd", "momentum")
+    weight_decay = _nonneg(weight_decay, "sgd", "weight_decay")
+    if not isinstance(nesterov, bool):
+        raise InputTypeError(f"sgd needs nesterov to be a bool; got {type(nesterov).__name__}.")
+    if nesterov and momentum == 0.0:
+        raise InputValueError("sgd(nesterov=True) needs momentum > 0; got momentum=0.")
+
+    def init(params: Any) -> SgdState:
+        if momentum == 0.0:
+            return SgdState(count=0)
+        if params is None:
+            raise InputValueError(
+                "sgd(momentum > 0).init needs params to shape its momentum buffers; call init(params)."
+            )
+        return SgdState(count=0, momentum=zeros_like(params))
+
+    def update(grads: Any, state: SgdState, params: Any = None, **extra: Any) -> tuple[Any, SgdState]:
+        _check_state(state, SgdState, "sgd")
+        lr = _lr_at(learning_rate, state.count, "sgd")
+        g_leaves, spec, _ = _flatten(grads, "sgd")
+        if weight_decay != 0.0:
+            p_leaves = _param_leaves(params, spec, "sgd", "weight_decay")
+            g_leaves = [g + weight_decay * p for g, p in zip(g_leaves, p_leaves)]
+        new_buf = None
+        if momentum != 0.0:
+            b_leaves = _state_leaves(state.momentum, spec, "sgd", "momentum")
+            b_leaves = [momentum * b + g for b, g in zip(b_leaves, g_leaves)]
+            d_leaves = [g + momentum * b for g, b in zip(g_leaves, b_leaves)] if nesterov else b_leaves
+            new_buf = optree.tree_unflatten(spec, b_leaves)
+        else:
+            d_leaves = g_leaves
+        updates = optree.tree_unflatten(spec, [-lr * d for d in d_leaves])
+        return updates, SgdState(count=state.count + 1, momentum=new_buf)
+
+    return Transform(init, update)
+
+
+def adam(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    dp_bias_correction: BiasCorrection = None,
+    dp_bias_correction_gamma: float = 1e-8,
+) -> Transform:
+    """Adam (Kingma & Ba 2015) with optional L2 weight decay and DP bias correction.
+
+    Matches ``torch.optim.Adam``: ``weight_decay`` is an L2 penalty added to the
+    gradient (coupled; see :func:`adamw` for decoupled decay)::
+
+        g = grad + weight_decay * params
+        m = b1 * m + (1 - b1) * g;  v = b2 * v + (1 - b2) * g**2        # t = count + 1
+        m_hat = m / (1 - b1**t);    v_hat = v / (1 - b2**t)
+        updates = -lr * m_hat / (sqrt(v_hat) + eps)
+        # with dp_bias_correction (DP-AdamBC, Tang et al. 2024):
+        updates = -lr * m_hat / sqrt(max(v_hat - Phi, gamma))
+
+    Args:
+        learning_rate: a float >= 0 or a schedule ``step -> float``.
+        b1, b2: moment decay rates in ``[0, 1)``.
+        eps: added to ``sqrt(v_hat)`` (unused with bias correction, as in the paper).
+        weight_decay: L2 penalty added to the gradient; needs ``params`` in ``update``.
+        dp_bias_correction: ``None`` (default) for plain Adam. Otherwise the noise
+            variance ``Phi`` per coordinate to subtract from ``v_hat``:
+
+            * ``"auto"``: read it from the gradient, which must then be a
+              :class:`~opake_fx.types.NoisedPytree`: ``Phi = noise_stddev**2`` (per leaf
+              for a :class:`~opake_fx.types.PerGroup` stddev). In the pipeline the noised
+              gradient is the clipped sum divided by ``normalize_by``, and
+              ``noise_stddev`` is already on that scale (``sigma * C / normalize_by``).
+            * a float ``Phi >= 0``: use it (e.g. ``(sigma * C / B) ** 2`` for code that
+              passes plain tensors). If the gradient is a ``NoisedPytree`` whose
+              ``noise_stddev**2`` differs, an error is raised.
+        dp_bias_correction_gamma: the floor ``gamma`` (``gamma'`` in the paper) of the
+            corrected second moment; it bounds the per-coordinate step by
+            ``lr * |m_hat| / sqrt(gamma)``, so tune it with the learning rate.
+
+    Privacy: post-processing of the gradient it is given. Bias correction uses only
+    ``noise_stddev``, a public parameter of the mechanism, so it changes no guarantee.
+
+    Example:
+        >>> import torch
+        >>> params = [torch.zeros(2)]
+        >>> opt = adam(1e-3)
+        >>> updates, state = opt.update([torch.tensor([1.0, -2.0])], opt.init(params), params)
+        >>> [round(u, 6) for u in updates[0].tolist()]  # Adam's first step: -lr * sign(g)
+        [-0.001, 0.001]
+    """
+    return _adam("adam", learning_rate, b1, b2, eps, weight_decay, False, dp_bias_correction, dp_bias_correction_gamma)
+
+
+def adamw(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    *,
+    dp_bias_correction: BiasCorrection = None,
+    dp_bias_correction_gamma: float = 1e-8,
+) -> Transform:
+    """Adam with decoupled weight decay (Loshchilov & Hutter 2019), as ``torch.optim.AdamW``.
+
+    ``updates = -lr * (adam_direction + weight_decay * params)``: the decay is applied
+    to the parameters directly, not through the moments. The default ``weight_decay``
+    is torch's ``1e-2``; ``params`` must be passed to ``update`` when it is nonzero.
+    Arguments are those of :func:`adam` (including ``dp_bias_correction``).
+
+    Privacy: post-processing of the gradient it is given; the decay depends on the
+    parameters only.
+
+    Example:
+        >>> import torch
+        >>> params = [torch.ones(2)]
+        >>> opt = adamw(0.1, weight_decay=0.5)
+        >>> updates, _ = opt.update([torch.zeros(2)], opt.init(params), params)
+        >>> updates[0].tolist()
+        [-0.05000000074505806, -0.05000000074505806]
+    """
+    return _adam("adamw", learning_rate, b1, b2, eps, weight_decay, True, dp_bias_correction, dp_bias_correction_gamma)
+
+
+# --- private helpers ---------------------------------------------------------------
+
+
+def _adam(
+    name: str,
+    learning_rate: ScalarOrSchedule,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    dp_bias_correction: BiasCorrection,
+    gamma: float,
+) -> Transform:
+    _check_lr(learning_rate, name)
+    b1 = _unit_interval(b1, name, "b1")
+    b2 = _unit_interval(b2, name, "b2")
+    eps = _nonneg(eps, name, "eps")
+    weight_decay = _nonneg(weight_decay, name, "weight_decay")
+    gamma = _nonneg(gamma, name, "dp_bias_correction_gamma")
+    if dp_bias_correction is not None and dp_bias_correction != "auto":
+        if isinstance(dp_bias_correction, str):
+            raise InputValueError(
+                f"{name} needs dp_bias_correction to be None, 'auto' or a noise variance >= 0; "
+                f"got {dp_bias_correction!r}."
+            )
+        dp_bias_correction = _nonneg(dp_bias_correction, name, "dp_bias_correction")
+    if dp_bias_correction is not None and gamma == 0.0:
+        raise InputValueError(
+            f"{name} with dp_bias_correction needs dp_bias_correction_gamma > 0 (the floor of the "
+            "corrected second moment); got 0, which can divide by zero."
+        )
+
+    def init(params: Any) -> AdamState:
+        if params is None:
+            raise InputValueError(f"{name}.init needs params to shape its moments; call init(params).")
+        return AdamState(count=0, mu=zeros_like(params), nu=zeros_like(params))
+
+    def update(grads: Any, state: AdamState, params: Any = None, **extra: Any) -> tuple[Any, AdamState]:
+        _check_state(state, AdamState, name)
+        lr = _lr_at(learning_rate, state.count, name)
+        g_leaves, spec, paths = _flatten(grads, name)
+        phis = None if dp_bias_correction is None else _noise_variances(grads, paths, dp_bias_correction, name)
+        p_leaves = None
+        if weight_decay != 0.0:
+            p_leaves = _param_leaves(params, spec, name, "weight_decay")
+            if not decoupled:
+                g_leaves = [g + weight_decay * p for g, p in zip(g_leaves, p_leaves)]
+        m_leaves = _state_leaves(state.mu, spec, name, "mu")
+        v_leaves = _state_leaves(state.nu, spec, name, "nu")
+        m_leaves = [b1 * m + (1.0 - b1) * g for m, g in zip(m_leaves, g_leaves)]
+        v_leaves = [b2 * v + (1.0 - b2) * (g * g) for v, g in zip(v_leaves, g_leaves)]
+        t = state.count + 1
+        bc1 = 1.0 - b1**t
+        bc2 = 1.0 - b2**t
+        step_size = lr / bc1
+        out = []
+        for i, (m, v) in enumerate(zip(m_leaves, v_leaves)):
+            if phis is None:
+                # torch.optim.Adam's order of operations, so the numbers agree to rounding.
+                denom = v.sqrt() / math.sqrt(bc2) + eps
+            else:
+                denom = torch.clamp(v / bc2 - phis[i], min=gamma).sqrt()
+            u = -step_size * (m / denom)
+            if decoupled and p_leaves is not None:
+                u = u - (lr * weight_decay) * p_leaves[i]
+            out.append(u)
+        new_state = AdamState(count=t, mu=optree.tree_unflatten(spec, m_leaves), nu=optree.tree_unflatten(spec, v_leaves))
+        return optree.tree_unflatten(spec, out), new_state
+
+    return Transform(init, update)
+
+
+def _noise_variances(grads: Any, paths: list[Any], setting: Any, where: str) -> list[float]:
+    """Per-leaf noise variance Phi for DP bias correction."""
+    from_input = None
+    if isinstance(grads, NoisedPytree) and grads.noise_stddev is not None:
+        sd = grads.noise_stddev
+        if isinstance(sd, PerGroup):
+            from_input = [sd.for_path(p) ** 2 for p in paths]
+        else:
+            from_input = [float(sd) ** 2] * len(paths)
+    if setting == "auto":
+        if from_input is None:
+            raise InputTypeError(
+                f"{where}(dp_bias_correction='auto') reads noise_stddev from a NoisedPytree (the output of the "
+                f"noise stage); got {type(grads).__name__}"
+                f"{' with noise_stddev=None' if isinstance(grads, NoisedPytree) else ''}. Pass the noised "
+                "gradient itself, or give the noise variance as a float: dp_bias_correction=(sigma * C / B) ** 2."
+            )
+        return from_input
+    if from_input is not None and any(not math.isclose(setting, v, rel_tol=1e-6, abs_tol=0.0) for v in from_input):
+        raise InputValueError(
+            f"{where}: dp_bias_correction={setting!r} disagrees with the gradient's noise variance "
+            f"noise_stddev**2 = {sorted(set(from_input))}. Use dp_bias_correction='auto' to take it from the "
+            "NoisedPytree, or check the value (it is a variance, on the scale of the normalized gradient)."
+        )
+    return [float(setting)] * len(paths)
+
+
+def _flatten(grads: Any, where: str) -> tuple[list[torch.Tensor], Any, list[Any]]:
+    paths, leaves, spec = tree_flatten_with_paths(unwrap(grads))
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise InputTypeError(
+                f"{where} needs gradients that are a pytree of tensors; the leaf at path {path} is a "
+                f"{type(leaf).__name__}."
+            )
+    return leaves, spec, paths
+
+
+def _param_leaves(params: Any, spec: Any, where: str, why: str) -> list[torch.Tensor]:
+    if params is None:
+        raise InputValueError(
+            f"{where} with {why} != 0 needs the parameters: call update(grads, state, params)."
+        )
+    leaves, pspec = optree.tree_flatten(unwrap(params), namespace=NAMESPACE)
+    if pspec != spec:
+        raise InputValueError(f"{where}: params and gradients have different tree structures ({pspec} vs {spec}).")
+    return leaves
+
+
+def _state_leaves(tree: Any, spec: Any, where: str, what: str) -> list[torch.Tensor]:
+    leaves, sspec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    if sspec != spec:
+        raise InputValueError(
+            f"{where}: the gradient's tree structure does not match the state's {what} ({spec} vs {sspec}); "
+            "initialise the optimizer with params shaped like the gradients."
+        )
+    return leaves
+
+
+def _check_state(state: Any, cls: type, where: str) -> None:
+    if not isinstance(state, cls):
+        raise InputTypeError(
+            f"{where}.update needs the {cls.__name__} returned by init or a previous update; got {type(state).__name__}."
+        )
+
+
+def _check_lr(lr: Any, where: str) -> None:
+    if callable(lr):
+        return
+    _nonneg(lr, where, "learning_rate")
+
+
+def _lr_at(lr: ScalarOrSchedule, count: int, where: str) -> float:
+    if not callable(lr):
+        return float(lr)
+    value = lr(count)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise InputTypeError(
+            f"{where}: the learning-rate schedule returned {type(value).__name__} at step {count}; it must return a float."
+        ) from None
+    if not math.isfinite(value) or value < 0:
+        raise InputValueError(f"{where}: the learning-rate schedule returned {value} at step {count}; it must be finite and >= 0.")
+    return value
+
+
+def _nonneg(x: Any, where: str, name: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, Real):
+        raise InputTypeError(f"{where} needs {name} to be a real number; got {type(x).__name__} {x!r}.")
+    x = float(x)
+    if not math.isfinite(x) or x < 0:
+        raise InputValueError(f"{where} needs a finite {name} >= 0; got {x}.")
+    return x
+
+
+def _unit_interval(x: Any, where: str, name: str) -> float:
+    x = _nonneg(x, where, name)
+    if x >= 1.0:
+        raise InputValueError(f"{where} needs {name} in [0, 1); got {x}.")
+    return x
