@@ -1,0 +1,69 @@
+"""make_functional and empty_collate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from opake_fx.errors import InputTypeError, OperationError
+from opake_fx.functional import empty_collate, make_functional, with_batch_dim
+
+
+def test_make_functional_matches_module_and_orders_params():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    fmodel, params = make_functional(model)
+    assert fmodel.param_names == ("0.weight", "0.bias", "2.weight", "2.bias")
+    assert all(p is not q and torch.equal(p, q) for p, q in zip(params, model.parameters()))
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(fmodel(params, x), model(x))
+    doubled = tuple(2 * p for p in params)
+    assert not torch.allclose(fmodel(doubled, x), model(x))
+
+
+def test_make_functional_under_vmap_and_grad_with_buffers():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    model.eval()  # running stats (buffers) are read, not updated
+    fmodel, params = make_functional(model)
+
+    def loss(params, x):
+        return fmodel(params, x.unsqueeze(0)).sum()
+
+    grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, torch.randn(4, 3))
+    assert [g.shape[0] for g in grads] == [4] * len(params)
+
+
+def test_make_functional_tied_weights_appear_once():
+    emb = torch.nn.Embedding(5, 3)
+    head = torch.nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    _, params = make_functional(model)
+    assert len(params) == 1
+
+
+def test_make_functional_errors():
+    with pytest.raises(InputTypeError):
+        make_functional(lambda x: x)  # type: ignore[arg-type]
+    fmodel, params = make_functional(torch.nn.Linear(2, 2))
+    with pytest.raises(InputTypeError, match="parameters"):
+        fmodel(params[:1], torch.ones(1, 2))
+
+
+def test_with_batch_dim_adapts_batched_model():
+    model = torch.nn.Linear(3, 2)
+    fmodel, params = make_functional(model)
+    per_example = with_batch_dim(lambda x: fmodel(params, x))
+    assert per_example(torch.ones(3)).shape == (2,)
+
+
+def test_empty_collate_after_priming():
+    c = empty_collate(default_collate)
+    with pytest.raises(OperationError, match="prime"):
+        c([])
+    full = c([(torch.zeros(2, 3), torch.tensor(4))])
+    assert full[0].shape == (1, 2, 3)
+    empty = c([])
+    assert empty[0].shape == (0, 2, 3) and empty[1].shape == (0,) and empty[1].dtype == torch.int64
+    assert c([(torch.ones(2, 3), torch.tensor(1))] * 3)[0].shape == (3, 2, 3)
