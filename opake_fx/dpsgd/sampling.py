@@ -134,12 +134,7 @@ class PoissonSampler(Sampler[list[int]]):
             >>> s.batch(1) == list(s)[1]
             True
         """
-        step = _check_count(step, "step", f"{type(self).__name__}.batch", minimum=0)
-        if step >= self.n_steps:
-            raise InputValueError(
-                f"{type(self).__name__}.batch(step) needs 0 <= step < n_steps={self.n_steps}; got {step}."
-            )
-        return _poisson_indices(fold_in(self.key, step), self.dataset_size, self.sample_rate).tolist()
+        return _poisson_indices(self._step_key(step), self.dataset_size, self.sample_rate).tolist()
 
     def state_dict(self) -> dict[str, Any]:
         """The key, the next step and the configuration (plain Python values).
@@ -210,6 +205,14 @@ class PoissonSampler(Sampler[list[int]]):
             f"n_steps={self.n_steps}, key={self.key!r}, next_step={self._next_step})"
         )
 
+    def _step_key(self, step: int) -> RngKey:
+        step = _check_count(step, "step", f"{type(self).__name__}.batch", minimum=0)
+        if step >= self.n_steps:
+            raise InputValueError(
+                f"{type(self).__name__}.batch(step) needs 0 <= step < n_steps={self.n_steps}; got {step}."
+            )
+        return fold_in(self.key, step)
+
     def _iterate(self) -> Iterator[list[int]]:
         while self._next_step < self.n_steps:
             step = self._next_step
@@ -255,12 +258,7 @@ class TruncatedPoissonSampler(PoissonSampler):
 
         Privacy: see the class; account with ``truncated_poisson``.
         """
-        step = _check_count(step, "step", f"{type(self).__name__}.batch", minimum=0)
-        if step >= self.n_steps:
-            raise InputValueError(
-                f"{type(self).__name__}.batch(step) needs 0 <= step < n_steps={self.n_steps}; got {step}."
-            )
-        step_key = fold_in(self.key, step)
+        step_key = self._step_key(step)
         idx = _poisson_indices(step_key, self.dataset_size, self.sample_rate)
         if idx.numel() > self.max_batch_size:
             # A uniformly random subset: sort by 63 random bits (ties are ~n^2 / 2**63 likely).
