@@ -14,12 +14,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import optree
 import torch
 from torch import nn
 
+from opake_fx.typing import typechecked
 from opake_fx.errors import InputTypeError, OperationError
 
 __all__ = ["FunctionalModel", "make_functional", "empty_collate", "with_batch_dim"]
@@ -63,6 +65,7 @@ class FunctionalModel:
         return self.model
 
 
+@typechecked
 def make_functional(model: nn.Module) -> tuple[FunctionalModel, tuple[torch.Tensor, ...]]:
     """Splits ``model`` into a pure function and its parameters.
 
@@ -105,6 +108,7 @@ def with_batch_dim(fn: Callable[..., Any]) -> Callable[..., Any]:
     return per_example
 
 
+@typechecked
 def empty_collate(collate: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
     """Wraps ``collate`` so that an empty batch gives correctly shaped empty tensors.
 

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import optree
 import torch
 
 from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.typing import typechecked
 
 __all__ = [
     "RngKey",
@@ -104,6 +106,7 @@ def key(seed: int) -> RngKey:
     return RngKey((seed >> 32, seed & _MASK))
 
 
+@typechecked
 def key_data(keys: RngKey | Sequence[RngKey]) -> torch.Tensor:
     """Stacks keys into an int64 tensor of shape ``(2,)`` or ``(n, 2)``.
 
@@ -114,6 +117,7 @@ def key_data(keys: RngKey | Sequence[RngKey]) -> torch.Tensor:
     return torch.tensor([k.words for k in keys], dtype=torch.int64).reshape(-1, 2)
 
 
+@typechecked
 def wrap_key_data(data: torch.Tensor) -> RngKey | list[RngKey]:
     """Inverse of :func:`key_data`: an int64 ``(2,)`` or ``(n, 2)`` tensor back to keys."""
     rows = data.reshape(-1, 2).tolist()
@@ -121,6 +125,7 @@ def wrap_key_data(data: torch.Tensor) -> RngKey | list[RngKey]:
     return out[0] if data.dim() == 1 else out
 
 
+@typechecked
 def split(k: KeyLike, num: int = 2) -> Any:
     """Splits a key into ``num`` independent children.
 
@@ -148,6 +153,7 @@ def split(k: KeyLike, num: int = 2) -> Any:
     return torch.stack((y0, y1), dim=-1)
 
 
+@typechecked
 def fold_in(k: KeyLike, data: int | torch.Tensor) -> Any:
     """Derives a key from ``k`` and an integer (a step, a rank), as ``jax.random.fold_in``.
 
@@ -170,6 +176,7 @@ def fold_in(k: KeyLike, data: int | torch.Tensor) -> Any:
     return torch.stack((y0, y1), dim=-1)
 
 
+@typechecked
 def bits(k: KeyLike, shape: Sequence[int] = (), dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """Random uint32 words, equal to ``jax.random.bits(k, shape, uint32)``.
 
@@ -195,6 +202,7 @@ def bits(k: KeyLike, shape: Sequence[int] = (), dtype: torch.dtype = torch.int64
     raise InputValueError(f"bits returns int64 or uint32 words; got dtype={dtype}.")
 
 
+@typechecked
 def uniform(
     k: KeyLike,
     shape: Sequence[int] = (),
@@ -216,6 +224,7 @@ def uniform(
     return u.to(dtype=dtype, device=device)
 
 
+@typechecked
 def normal(
     k: KeyLike,
     shape: Sequence[int] = (),
@@ -260,6 +269,7 @@ def normal(
     return torch.randn(shape, generator=gen, dtype=dtype, device=dev)
 
 
+@typechecked
 def tree_normal(k: RngKey, like_tree: Any, *, exact: bool = False) -> Any:
     """A pytree of standard normals shaped like ``like_tree``, one subkey per leaf.
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 
+from opake_fx.typing import typechecked
 from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError
 from opake_fx.pytree import structure, tree_flatten_with_paths
 from opake_fx.random import RngKey, fold_in, normal, split
@@ -35,6 +37,7 @@ class GaussianNoiseState:
     step: int = 0
 
 
+@typechecked
 def gaussian_noise(
     *,
     noise_multiplier: float,
@@ -111,6 +114,7 @@ def gaussian_noise(
     return noise_fn, GaussianNoiseState(key=key)
 
 
+@typechecked
 def noise(*, noise_multiplier: float, key: RngKey, allocation: Allocation = "optimal") -> Transform:
     """:func:`gaussian_noise` as a chain stage (``ClippedPytree`` in, ``NoisedPytree`` out).
 
@@ -124,6 +128,7 @@ def noise(*, noise_multiplier: float, key: RngKey, allocation: Allocation = "opt
     return Transform(lambda params: state0, update)
 
 
+@typechecked
 def noise_stddev_for(max_norm: float | PerGroup, noise_multiplier: float, allocation: Allocation = "optimal") -> float | PerGroup:
     """The stddev the Gaussian mechanism adds for a given ``max_norm``.
 
