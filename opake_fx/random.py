@@ -264,9 +264,7 @@ def normal(
         out = (math.sqrt(2.0) * torch.erfinv(u.double())).float()
         return out.to(dtype=dtype, device=device)
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(_generator_seed(k))
-    return torch.randn(shape, generator=gen, dtype=dtype, device=dev)
+    return torch.randn(shape, generator=_keyed_generators([k], [dev])[0], dtype=dtype, device=dev)
 
 
 @typechecked
@@ -276,7 +274,7 @@ def tree_normal(k: RngKey, like_tree: Any, *, exact: bool = False) -> Any:
     Leaf ``i`` (in optree flattening order) uses ``split(k, n_leaves)[i]`` and takes
     the leaf's shape, dtype and device.
     """
-    leaves, treedef = optree.tree_flatten(like_tree, none_is_leaf=False)
+    leaves, treedef = optree.tree_flatten(like_tree, none_is_leaf=False, namespace="opake_fx")
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
             raise InputTypeError(
@@ -286,10 +284,14 @@ def tree_normal(k: RngKey, like_tree: Any, *, exact: bool = False) -> Any:
     if not leaves:
         return optree.tree_unflatten(treedef, [])
     subkeys = split(k, len(leaves))
-    draws = [
-        normal(sk, leaf.shape, dtype=leaf.dtype, device=leaf.device, exact=exact)
-        for sk, leaf in zip(subkeys, leaves)
-    ]
+    if exact:
+        draws = [normal(sk, leaf.shape, dtype=leaf.dtype, exact=True).to(leaf.device) for sk, leaf in zip(subkeys, leaves)]
+    else:
+        # Same numbers as normal(subkey_i, ...) per leaf, with the key hashing batched.
+        gens = _keyed_generators(list(subkeys), [leaf.device for leaf in leaves])
+        draws = [
+            torch.randn(leaf.shape, generator=g, dtype=leaf.dtype, device=leaf.device) for g, leaf in zip(gens, leaves)
+        ]
     return optree.tree_unflatten(treedef, draws)
 
 
@@ -340,12 +342,58 @@ def _unit_uniform(words: torch.Tensor) -> torch.Tensor:
     return mant.to(torch.int32).view(torch.float32) - 1.0
 
 
-# Domain-separation counter for generator seeds, so that the generator seed is never
-# equal to a value that split/bits hand out for the same key.
+# Domain-separation counter: generator material is hashed from fold_in(key, this), so it
+# never equals a value that split/bits hand out for the same key.
 _GENERATOR_DOMAIN = 0x6F70616B
+_MT_WORDS = 624
 
 
-def _generator_seed(k: RngKey) -> int:
-    y0, y1 = _threefry(k.to_tensor(), torch.tensor(_GENERATOR_DOMAIN), torch.tensor(_GENERATOR_DOMAIN))
-    # torch generators take seeds below 2**63 - 1 on every device.
-    return ((int(y0) << 31) ^ int(y1)) & (2**63 - 1)
+def _keyed_generators(keys: list[RngKey], devices: list[torch.device]) -> list[torch.Generator]:
+    """One torch.Generator per (key, device) whose whole state is derived from the key.
+
+    CUDA (Philox) generators take a full 64-bit seed. The CPU generator (mt19937) keeps
+    only the low 32 bits of a seed, so seeding it would let distinct keys collide after
+    ~2**16 draws (identical noise on two steps cancels in their difference). Instead its
+    624-word state is filled with Threefry words of the key. The hashing is batched over
+    all keys (one Threefry pass for a whole gradient tree).
+    """
+    derived = fold_in(key_data(keys).reshape(-1, 2), _GENERATOR_DOMAIN)  # [n, 2]
+    cpu_rows = [i for i, d in enumerate(devices) if d.type == "cpu"]
+    words = bits(derived[cpu_rows], (_MT_WORDS,)) if cpu_rows else None  # [n_cpu, 624]
+    cpu_index = {row: j for j, row in enumerate(cpu_rows)}
+    gens = []
+    for i, device in enumerate(devices):
+        if device.type == "cpu":
+            gens.append(_cpu_state_generator(words[cpu_index[i]]))  # type: ignore[index]
+        else:
+            hi, lo = (int(w) for w in derived[i])
+            gen = torch.Generator(device=device)
+            gen.manual_seed(((hi << 32) | lo) & (2**63 - 1))
+            gens.append(gen)
+    return gens
+
+
+# Byte layout of the CPU generator state (torch's CPUGeneratorImplStateLegacy, stable since
+# torch 1.x): the_initial_seed u64 @0, left i32 @8, seeded i32 @12, next u64 @16,
+# state u64[624] @24, normal_x/y/rho f64 @5016.., normal_is_valid i32 @5040,
+# next_float_normal_sample f32 @5048, is_next_float_normal_sample_valid bool @5052.
+_STATE_BYTES = 5056
+_LEFT, _SEEDED, _STATE, _STATE_END, _NORMAL_VALID, _FLOAT_NORMAL_VALID = 8, 12, 24, 24 + 8 * _MT_WORDS, 5040, 5052
+
+
+def _cpu_state_generator(words: torch.Tensor) -> torch.Generator:
+    gen = torch.Generator()
+    state = gen.get_state().clone()
+    if state.numel() != _STATE_BYTES:
+        raise RuntimeError(
+            f"opake_fx.random: this torch's CPU generator state has {state.numel()} bytes, not {_STATE_BYTES}; "
+            "the keyed fast normal path does not know its layout. Use normal(..., exact=True) and report "
+            "the torch version."
+        )
+    state[_STATE:_STATE_END].view(torch.int64).copy_(words)
+    state[_LEFT : _LEFT + 4].view(torch.int32).fill_(1)  # twist the new state on the first draw
+    state[_SEEDED : _SEEDED + 4].view(torch.int32).fill_(1)
+    state[_NORMAL_VALID : _NORMAL_VALID + 4].view(torch.int32).fill_(0)  # drop cached normals
+    state[_FLOAT_NORMAL_VALID] = 0
+    gen.set_state(state)
+    return gen

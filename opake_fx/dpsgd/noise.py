@@ -16,8 +16,8 @@ import torch
 
 from opake_fx.typing import typechecked
 from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError
-from opake_fx.pytree import structure, tree_flatten_with_paths
-from opake_fx.random import RngKey, fold_in, normal, split
+from opake_fx.pytree import tree_flatten_with_paths
+from opake_fx.random import RngKey, fold_in, tree_normal
 from opake_fx.transforms import Transform
 from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup
 
@@ -97,18 +97,14 @@ def gaussian_noise(
         std = noise_stddev_for(clipped.max_norm, noise_multiplier, allocation)
         if noise_multiplier == 0.0:
             return NoisedPytree(clipped.pytree, clipped.max_norm, noise_stddev=std), new_state
-        step_key = fold_in(state.key, state.step)
-        paths, leaves, _ = tree_flatten_with_paths(clipped.pytree)
-        if not leaves:
-            return NoisedPytree(clipped.pytree, clipped.max_norm, noise_stddev=std), new_state
-        leaf_keys = iter(split(step_key, len(leaves)))
-        def add_noise(path_leaf: tuple[tuple[Any, ...], torch.Tensor]) -> torch.Tensor:
-            path, leaf = path_leaf
-            sd = std.for_path(path) if isinstance(std, PerGroup) else std
-            z = normal(next(leaf_keys), leaf.shape, dtype=leaf.dtype, device=leaf.device, exact=exact)
-            return leaf + sd * z
-
-        noised = structure(clipped.pytree).unflatten([add_noise(pl) for pl in zip(paths, leaves)])
+        paths, leaves, spec = tree_flatten_with_paths(clipped.pytree)
+        draws = tree_normal(fold_in(state.key, state.step), leaves, exact=exact)
+        noised = spec.unflatten(
+            [
+                leaf + (std.for_path(path) if isinstance(std, PerGroup) else std) * z
+                for path, leaf, z in zip(paths, leaves, draws)
+            ]
+        )
         return NoisedPytree(noised, clipped.max_norm, noise_stddev=std), new_state
 
     return noise_fn, GaussianNoiseState(key=key)
