@@ -21,6 +21,7 @@ from opake_fx.dpsgd.clipping import (
     per_group,
 )
 from opake_fx.dpsgd.noise import gaussian_noise, noise
+from opake_fx.dpsgd.sampling import PoissonSampler, SequentialBatchSampler, TruncatedPoissonSampler
 
 __all__ = [
     "clipped_grad",
@@ -31,4 +32,7 @@ __all__ = [
     "as_stage",
     "gaussian_noise",
     "noise",
+    "PoissonSampler",
+    "TruncatedPoissonSampler",
+    "SequentialBatchSampler",
 ]
