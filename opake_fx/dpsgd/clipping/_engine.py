@@ -119,7 +119,22 @@ class PerExample:
     loss_aux: Any
 
 
-Backend = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any], ClipConfig], PerExample]
+@dataclass
+class PerExampleNorms:
+    """What a norm-based backend (``clip_backend="ghost"`` / ``"auto"``) returns for one (micro)batch.
+
+    Instead of per-example gradients it returns their squared L2 norms, leaf by leaf,
+    and a function that forms the weighted sum ``sum_i w_i g_i`` of every leaf without
+    ever materialising the ``g_i`` (see :mod:`opake_fx.dpsgd.clipping._ghost`).
+    """
+
+    sq_norms: torch.Tensor  # [L, B] float64: squared norm of each leaf's per-example gradient
+    weighted_sum: Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]  # (weights [L, B], finite [B]) -> L sums
+    losses: torch.Tensor  # [B]
+    loss_aux: Any
+
+
+Backend = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any], ClipConfig], "PerExample | PerExampleNorms"]
 
 
 def vmap_backend(loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: ClipConfig) -> PerExample:
@@ -184,16 +199,24 @@ def clipped_step(
     for start in range(0, batch, step):
         chunk = _slice_batch(args, cfg, start, min(start + step, batch))
         per_ex = backend(loss_fn, chunk, kwargs, cfg)
-        norms = group_norms(per_ex.grad_leaves, leaf_group, len(group_names))
+        if isinstance(per_ex, PerExampleNorms):
+            norms = _norms_from_squares(per_ex.sq_norms, leaf_group, len(group_names))
+        else:
+            norms = group_norms(per_ex.grad_leaves, leaf_group, len(group_names))
         finite = torch.isfinite(norms).all(dim=0)
         weights = weight_fn(norms, bounds.to(norms.device))
         weights = torch.where(finite.unsqueeze(0), weights, torch.zeros_like(weights))
-        sanitize = not bool(finite.all())
-        for i, g_leaf in enumerate(per_ex.grad_leaves):
-            if sanitize:
-                g_leaf = torch.nan_to_num(g_leaf, nan=0.0, posinf=0.0, neginf=0.0)
-            w = weights[leaf_group[i]].to(device=g_leaf.device, dtype=out_dtypes[i])
-            sums[i] += torch.tensordot(w, g_leaf.to(out_dtypes[i]), dims=([0], [0]))
+        if isinstance(per_ex, PerExampleNorms):
+            leaf_weights = weights[torch.tensor(leaf_group, dtype=torch.long, device=weights.device)]
+            for i, part in enumerate(per_ex.weighted_sum(leaf_weights, finite)):
+                sums[i] += part.to(out_dtypes[i])
+        else:
+            sanitize = not bool(finite.all())
+            for i, g_leaf in enumerate(per_ex.grad_leaves):
+                if sanitize:
+                    g_leaf = torch.nan_to_num(g_leaf, nan=0.0, posinf=0.0, neginf=0.0)
+                w = weights[leaf_group[i]].to(device=g_leaf.device, dtype=out_dtypes[i])
+                sums[i] += torch.tensordot(w, g_leaf.to(out_dtypes[i]), dims=([0], [0]))
         all_norms.append(norms)
         all_weights.append(weights)
         all_finite.append(finite)
@@ -294,6 +317,15 @@ def batch_size_of(args: tuple[Any, ...], cfg: ClipConfig) -> int:
 
 
 # --- private helpers ---------------------------------------------------------------
+
+
+def _norms_from_squares(sq_norms: torch.Tensor, leaf_group: list[int], num_groups: int) -> Norms:
+    """Per-group norms ``[G, B]`` from per-leaf squared norms ``[L, B]`` (float64)."""
+    if sq_norms.shape[0] == 0:
+        raise InputValueError("nothing to differentiate: the differentiated arguments have no tensor leaves.")
+    index = torch.tensor(leaf_group, dtype=torch.long, device=sq_norms.device)
+    sq = torch.zeros((num_groups, sq_norms.shape[1]), dtype=torch.float64, device=sq_norms.device)
+    return sq.index_add_(0, index, sq_norms.to(torch.float64)).sqrt()
 
 
 def _as_index_tuple(v: int | Sequence[int], name: str) -> tuple[int, ...]:

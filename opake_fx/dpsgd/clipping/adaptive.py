@@ -7,9 +7,12 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
+from torch import nn
 
 from opake_fx.dpsgd.clipping._engine import check_clipping_norm, clipped_step, make_config, package
+from opake_fx.dpsgd.clipping._ghost import ClipBackend, make_backend
 from opake_fx.dpsgd.clipping.fixed import clip_weights
+from opake_fx.functional import FunctionalModel
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.random import RngKey, fold_in, normal
 
@@ -72,6 +75,8 @@ def adaptive_clipped_grad(
     return_stats: bool = False,
     return_aux: bool = False,
     dtype: torch.dtype | None = None,
+    clip_backend: ClipBackend = "vmap",
+    model: FunctionalModel | nn.Module | None = None,
 ) -> tuple[Callable[..., Any], AdaptiveClipState]:
     """Clipping whose norm tracks a quantile of the gradient norms, privately.
 
@@ -125,13 +130,14 @@ def adaptive_clipped_grad(
         return_aux=return_aux,
         return_stats=return_stats,
     )
+    backend = make_backend(clip_backend, model)
     m = float(expected_batch_size if expected_batch_size is not None else normalize_by)
     if not m > 0:
         raise InputValueError(f"expected_batch_size must be > 0; got {m}.")
 
     def grad_fn(*args: Any, state: AdaptiveClipState, **kwargs: Any) -> Any:
         c = state.clipping_norm
-        result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=c, weight_fn=clip_weights)
+        result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=c, weight_fn=clip_weights, backend=backend)
         below = ((result.norms[0] <= c) & result.finite).sum().item()
         centered = float(below) - 0.5 * result.batch_size
         noise = state.count_noise_multiplier * float(normal(fold_in(state.key, state.step), (), dtype=torch.float64, exact=True))

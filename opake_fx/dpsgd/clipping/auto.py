@@ -7,9 +7,12 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
+from torch import nn
 
 from opake_fx.dpsgd.clipping._engine import check_clipping_norm, clipped_step, make_config, package
+from opake_fx.dpsgd.clipping._ghost import ClipBackend, make_backend
 from opake_fx.dpsgd.clipping.types import FixedClipState
+from opake_fx.functional import FunctionalModel
 from opake_fx.errors import InputValueError
 
 __all__ = ["auto_clipped_grad"]
@@ -28,6 +31,8 @@ def auto_clipped_grad(
     return_stats: bool = False,
     return_aux: bool = False,
     dtype: torch.dtype | None = None,
+    clip_backend: ClipBackend = "vmap",
+    model: FunctionalModel | nn.Module | None = None,
 ) -> tuple[Callable[..., Any], FixedClipState]:
     """Like :func:`clipped_grad`, but every gradient is normalised: ``R g / (||g|| + gamma)``.
 
@@ -64,6 +69,7 @@ def auto_clipped_grad(
         return_aux=return_aux,
         return_stats=return_stats,
     )
+    backend = make_backend(clip_backend, model)
 
     def weights(norms: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
         denom = norms + gamma
@@ -72,7 +78,7 @@ def auto_clipped_grad(
         return torch.where(denom > 0, w, torch.zeros_like(w))
 
     def grad_fn(*args: Any, state: FixedClipState, **kwargs: Any) -> Any:
-        result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=clipping_norm, weight_fn=weights)
+        result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=clipping_norm, weight_fn=weights, backend=backend)
         return package(result, cfg, clipping_norm, replace(state, step=state.step + 1))
 
     return grad_fn, FixedClipState(clipping_norm=clipping_norm)

@@ -6,9 +6,12 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
+from torch import nn
 
 from opake_fx.dpsgd.clipping._engine import check_clipping_norm, clipped_step, make_config, package
+from opake_fx.dpsgd.clipping._ghost import ClipBackend, make_backend
 from opake_fx.dpsgd.clipping.types import FixedClipState
+from opake_fx.functional import FunctionalModel
 from opake_fx.types import PerGroup
 
 __all__ = ["clipped_grad", "clip_weights"]
@@ -26,6 +29,8 @@ def clipped_grad(
     return_stats: bool = False,
     return_aux: bool = False,
     dtype: torch.dtype | None = None,
+    clip_backend: ClipBackend = "vmap",
+    model: FunctionalModel | nn.Module | None = None,
 ) -> tuple[Callable[..., Any], FixedClipState]:
     """Makes a function that returns the sum of clipped per-example gradients.
 
@@ -81,9 +86,10 @@ def clipped_grad(
         return_aux=return_aux,
         return_stats=return_stats,
     )
+    backend = make_backend(clip_backend, model)
 
     def grad_fn(*args: Any, state: FixedClipState, **kwargs: Any) -> Any:
-        result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=clipping_norm, weight_fn=clip_weights)
+        result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=clipping_norm, weight_fn=clip_weights, backend=backend)
         return package(result, cfg, clipping_norm, replace(state, step=state.step + 1))
 
     return grad_fn, FixedClipState(clipping_norm=clipping_norm)

@@ -1,0 +1,379 @@
+"""Per-layer rules of the fast clipping backends.
+
+A rule sees one call of one module: its input ``a`` (batch first) and the gradient
+``g`` of the batch loss ``sum_i L_i`` with respect to the module's output. When no
+layer mixes examples, row ``i`` of ``g`` is the gradient of ``L_i`` alone, so example
+``i``'s gradient for the module's parameters is a function of ``(a_i, g_i)``:
+
+* Linear ``y = a W^T + b`` with ``a_i: [T, d_in]``, ``g_i: [T, d_out]`` (``T = 1``
+  without a sequence axis): ``dW_i = g_i^T a_i`` and ``db_i = sum_t g_it``, so
+  ``||dW_i||^2 = sum_{t,s} (a_it . a_is)(g_it . g_is)`` (the ghost norm: Goodfellow
+  2015 for ``T = 1``, Li et al. 2021 for sequences), ``O(T^2 (d_in + d_out))`` instead
+  of ``O(T d_in d_out)``.
+* Conv1d / Conv2d: unfolded input patches turn the layer into a Linear over output
+  positions, one per group (Bu et al. 2023).
+* Embedding: ``||dE_i||^2 = sum_{t,s} [id_it = id_is] (g_it . g_is)``, computed by
+  summing ``g`` over each example's distinct ids; no ``[B, vocab, dim]`` tensor.
+* LayerNorm / GroupNorm / RMSNorm: per-example affine gradients are as small as the
+  layer's output channels, so they are computed directly.
+
+Every rule gives ``sq_norm(name)`` (float64 ``[B]``), ``weighted(name, w, keep)`` (the
+sum ``sum_i w_i dP_i`` in one pass: book-keeping, Bu et al. 2023) and
+``per_example(name)`` (``[B, *shape]``, for parameters shared by several calls).
+``keep`` (bool ``[B]`` or ``None``) marks the examples whose gradient is finite; the
+others contribute exactly zero, even when their activations hold NaN or inf.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+import optree
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Method = Literal["ghost", "pe"]
+
+# Largest transient (in elements) that a rule builds at once: unfolded patches and
+# Gram matrices are formed for slices of the batch under this bound.
+_CHUNK_ELEMS = 1 << 23
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype rules compute in: at least float32, so low-precision models sum exactly enough."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class PerExampleGrad:
+    """A rule from explicit per-example gradients ``{name: [B, *shape]}`` (norm layers, fallbacks)."""
+
+    def __init__(self, grads: dict[str, torch.Tensor]) -> None:
+        self.grads = grads
+
+    def sq_norm(self, name: str) -> torch.Tensor:
+        return sq_norms_of(self.grads[name])
+
+    def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        return weighted_sum_of(self.grads[name], w, keep)
+
+    def per_example(self, name: str) -> torch.Tensor:
+        return self.grads[name]
+
+
+class MatmulGrad:
+    """Linear and (unfolded) convolution layers: ``dW_i = sum_t g_it a_it^T`` per group.
+
+    ``patches(lo, hi)`` gives the inputs of examples ``lo:hi`` as ``[b, groups, T, d_in]``
+    (a slice of the stored input for Linear, freshly unfolded patches for convolutions);
+    ``g`` is ``[B, groups, T, d_out]``. ``method="pe"`` forms the per-example weight
+    gradients at once (memory ``B d_in d_out``); ``"ghost"`` keeps only ``a`` and ``g``
+    and computes norms from Gram matrices.
+    """
+
+    def __init__(
+        self,
+        patches: Callable[[int, int], torch.Tensor],
+        g: torch.Tensor,
+        *,
+        d_in: int,
+        weight_shape: tuple[int, ...] | None,
+        bias_shape: tuple[int, ...] | None,
+        names: dict[str, str],
+        method: Method,
+        dtype: torch.dtype,
+    ) -> None:
+        self.batch, self.groups, self.t, self.d_out = g.shape
+        self.d_in = d_in
+        self.dtype = dtype
+        self.patches = patches
+        self.g = g.to(dtype)
+        self.names = names  # role ("weight" / "bias") -> parameter name
+        self.weight_shape, self.bias_shape = weight_shape, bias_shape
+        self.method: Method = method
+        self._pe: torch.Tensor | None = None
+        self._bias_pe: torch.Tensor | None = None
+        if bias_shape is not None:
+            self._bias_pe = self.g.sum(dim=2).reshape(self.batch, *bias_shape)
+        if weight_shape is not None and method == "pe":
+            self._pe = self._weight_per_example()
+        if method == "pe" or weight_shape is None:
+            self.g = None  # type: ignore[assignment]
+            self.patches = None  # type: ignore[assignment]
+
+    def sq_norm(self, name: str) -> torch.Tensor:
+        if self._role(name) == "bias":
+            return sq_norms_of(self._bias_pe)
+        if self._pe is not None:
+            return sq_norms_of(self._pe)
+        out = torch.zeros(self.batch, dtype=torch.float64, device=self.g.device)
+        for lo, hi in self._chunks(self.groups * self.t * max(self.t, self.d_in)):
+            out[lo:hi] = _ghost_sq_norms(self.patches(lo, hi).to(self.dtype), self.g[lo:hi])
+        return out
+
+    def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        if self._role(name) == "bias":
+            return weighted_sum_of(self._bias_pe, w, keep)
+        if self._pe is not None:
+            return weighted_sum_of(self._pe, w, keep)
+        w = w.to(self.dtype)
+        total = torch.zeros((self.groups, self.d_out, self.d_in), dtype=self.dtype, device=self.g.device)
+        for lo, hi in self._chunks(self.groups * self.t * self.d_in):
+            a, g = self.patches(lo, hi).to(self.dtype), self.g[lo:hi]
+            if keep is not None:
+                a, g = _zero_rows(a, keep[lo:hi]), _zero_rows(g, keep[lo:hi])
+            gw = g * w[lo:hi].view(-1, 1, 1, 1)
+            if self.groups == 1:  # one large matmul, as the non-private backward does
+                total[0] += gw.reshape(-1, self.d_out).t().mm(a.reshape(-1, self.d_in))
+            else:
+                total += torch.einsum("bgto,bgti->goi", gw, a)
+        return total.reshape(self.weight_shape)
+
+    def per_example(self, name: str) -> torch.Tensor:
+        if self._role(name) == "bias":
+            return self._bias_pe
+        return self._pe if self._pe is not None else self._weight_per_example()
+
+    def _weight_per_example(self) -> torch.Tensor:
+        parts = []
+        for lo, hi in self._chunks(self.groups * self.t * self.d_in):
+            a, g = self.patches(lo, hi).to(self.dtype), self.g[lo:hi]
+            if self.groups == 1:
+                parts.append(torch.bmm(g[:, 0].transpose(1, 2), a[:, 0]))
+            else:
+                parts.append(torch.einsum("bgto,bgti->bgoi", g, a))
+        pe = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return pe.reshape(self.batch, *self.weight_shape)
+
+    def _chunks(self, per_example_elems: int) -> list[tuple[int, int]]:
+        step = max(1, _CHUNK_ELEMS // max(1, per_example_elems))
+        return [(lo, min(lo + step, self.batch)) for lo in range(0, self.batch, step)]
+
+    def _role(self, name: str) -> str:
+        return "bias" if self.names.get("bias") == name else "weight"
+
+
+class EmbeddingGrad:
+    """``nn.Embedding``: gradients summed per (example, distinct id); rows only where ids occur.
+
+    The per-example gradient has a row ``sum_{t: id_it = v} g_it`` for each distinct id
+    ``v`` of example ``i`` (none for ``padding_idx``). Those rows are formed once, with
+    ``torch.unique`` over ``example * vocab + id``; the norm is the sum of their squares
+    and the weighted sum is one ``index_add`` of the scaled rows into the table.
+    """
+
+    def __init__(self, ids: torch.Tensor, g: torch.Tensor, module: nn.Embedding, dtype: torch.dtype) -> None:
+        batch = ids.shape[0]
+        vocab, dim = module.num_embeddings, module.embedding_dim
+        ids = ids.reshape(batch, -1).long()
+        g = g.reshape(batch, -1, dim).to(dtype)
+        owner = torch.arange(batch, device=ids.device).unsqueeze(1).expand_as(ids)
+        keys = owner * vocab + ids
+        if module.padding_idx is not None:
+            mask = ids != module.padding_idx
+            keys, g_rows = keys[mask], g[mask]
+        else:
+            keys, g_rows = keys.reshape(-1), g.reshape(-1, dim)
+        uniq, inverse = torch.unique(keys, return_inverse=True)
+        self.rows = torch.zeros((uniq.numel(), dim), dtype=dtype, device=g.device).index_add_(0, inverse, g_rows)
+        self.ids = uniq % vocab
+        self.owner = uniq // vocab
+        self.batch, self.shape, self.dtype = batch, (vocab, dim), dtype
+
+    def sq_norm(self, name: str) -> torch.Tensor:
+        row_sq = torch.linalg.vector_norm(self.rows, dim=1, dtype=torch.float64).square()
+        return torch.zeros(self.batch, dtype=torch.float64, device=self.rows.device).index_add_(0, self.owner, row_sq)
+
+    def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        coeff = w.to(self.dtype)[self.owner].unsqueeze(1)
+        rows = self.rows if keep is None else _zero_rows(self.rows, keep[self.owner])
+        out = torch.zeros(self.shape, dtype=self.dtype, device=self.rows.device)
+        return out.index_add_(0, self.ids, rows * coeff)
+
+    def per_example(self, name: str) -> torch.Tensor:
+        # Only for an embedding table shared with another call (e.g. tied to an output layer).
+        out = torch.zeros((self.batch, *self.shape), dtype=self.dtype, device=self.rows.device)
+        return out.index_put_((self.owner, self.ids), self.rows, accumulate=True)
+
+
+# --- constructors -------------------------------------------------------------------
+
+
+def linear_grad(
+    module: nn.Linear, a: torch.Tensor, g: torch.Tensor, names: dict[str, str], mode: str, dtype: torch.dtype
+) -> MatmulGrad:
+    """Rule for ``nn.Linear`` on input ``[B, *, d_in]``; ``dtype``: the parameters' dtype."""
+    batch, d_in, d_out = a.shape[0], module.in_features, module.out_features
+    dtype = compute_dtype(dtype)
+    a3 = a.reshape(batch, 1, -1, d_in)
+    t = a3.shape[2]
+    return MatmulGrad(
+        lambda lo, hi: a3[lo:hi],
+        g.reshape(batch, 1, t, d_out),
+        d_in=d_in,
+        weight_shape=tuple(module.weight.shape) if "weight" in names else None,
+        bias_shape=(d_out,) if "bias" in names else None,
+        names=names,
+        method=choose_method(mode, t, d_in, d_out),
+        dtype=dtype,
+    )
+
+
+def conv_grad(
+    module: nn.Conv1d | nn.Conv2d, a: torch.Tensor, g: torch.Tensor, names: dict[str, str], mode: str, dtype: torch.dtype
+) -> MatmulGrad:
+    """Rule for ``nn.Conv1d`` / ``nn.Conv2d``: im2col patches, then a Linear per group."""
+    is_1d = isinstance(module, nn.Conv1d)
+    padding: tuple[int, ...]
+    if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        # torch pads explicitly for these modes ('same' may be asymmetric); do the same.
+        pad = list(module._reversed_padding_repeated_twice)
+        if any(pad):
+            a = F.pad(a, pad, mode="constant" if module.padding_mode == "zeros" else module.padding_mode)
+        padding = (0, 0)
+    else:
+        padding = (0, *module.padding) if is_1d else tuple(module.padding)
+    if is_1d:  # a [B, C, L] is a [B, C, 1, L] image under a (1, k) kernel
+        a, g = a.unsqueeze(2), g.unsqueeze(2)
+    kernel = (1, *module.kernel_size) if is_1d else tuple(module.kernel_size)
+    stride = (1, *module.stride) if is_1d else tuple(module.stride)
+    dilation = (1, *module.dilation) if is_1d else tuple(module.dilation)
+    batch, groups = a.shape[0], module.groups
+    d_in = module.in_channels // groups * kernel[0] * kernel[1]
+    d_out = module.out_channels // groups
+    t = g.shape[2] * g.shape[3]
+
+    def patches(lo: int, hi: int) -> torch.Tensor:
+        cols = F.unfold(a[lo:hi], kernel, dilation=dilation, padding=padding, stride=stride)  # [b, C*k, T]
+        return cols.view(hi - lo, groups, d_in, t).transpose(2, 3)
+
+    return MatmulGrad(
+        patches,
+        g.reshape(batch, groups, d_out, t).transpose(2, 3),
+        d_in=d_in,
+        weight_shape=tuple(module.weight.shape) if "weight" in names else None,
+        bias_shape=(module.out_channels,) if "bias" in names else None,
+        names=names,
+        method=choose_method(mode, t, d_in, d_out),
+        dtype=compute_dtype(dtype),
+    )
+
+
+def norm_grad(module: nn.Module, a: torch.Tensor, g: torch.Tensor, names: dict[str, str], dtype: torch.dtype) -> PerExampleGrad:
+    """Rule for LayerNorm / GroupNorm / RMSNorm: ``dgamma_i = sum g_i * xhat_i``, ``dbeta_i = sum g_i``."""
+    dtype = compute_dtype(dtype)
+    a, g = a.to(dtype), g.to(dtype)
+    if isinstance(module, nn.GroupNorm):
+        xhat = F.group_norm(a, module.num_groups, None, None, module.eps)
+        dims = tuple(range(2, a.dim()))  # reduce spatial positions; keep [B, C]
+    else:
+        shape = tuple(module.normalized_shape)
+        if isinstance(module, nn.LayerNorm):
+            xhat = F.layer_norm(a, shape, None, None, module.eps)
+        else:
+            xhat = F.rms_norm(a, shape, None, module.eps)
+        dims = tuple(range(1, a.dim() - len(shape)))  # reduce positions; keep [B, *normalized_shape]
+    grads = {}
+    for role, name in names.items():
+        per = g * xhat if role == "weight" else g
+        grads[name] = per.sum(dim=dims) if dims else per
+    return PerExampleGrad(grads)
+
+
+def module_per_example(
+    module: nn.Module,
+    bound: dict[str, torch.Tensor],
+    diff_names: list[str],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    grads_out: list[torch.Tensor | None],
+    batch: int,
+) -> PerExampleGrad:
+    """Fallback rule: per-example gradients of ``diff_names`` by ``vmap`` of the module's vjp.
+
+    ``bound`` holds every parameter and buffer the call used (names relative to
+    ``module``); ``grads_out`` the gradient of each tensor output (``None``: no gradient
+    reached it). Tensor arguments whose first dimension is ``batch`` are split per
+    example; others are broadcast.
+    """
+    flat, spec = optree.tree_flatten((args, kwargs))
+    positions = [k for k, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch]
+    used = [k for k, go in enumerate(grads_out) if go is not None]
+    diff = {n: bound[n].detach() for n in diff_names}
+    const = {n: t.detach() for n, t in bound.items() if n not in diff}
+
+    def call(params: dict[str, torch.Tensor], xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        items = list(flat)
+        for k, x in zip(positions, xs):
+            items[k] = x.unsqueeze(0)
+        a, kw = optree.tree_unflatten(spec, items)
+        out = torch.func.functional_call(module, {**const, **params}, tuple(a), kw)
+        outs = [o for o in optree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        return tuple(outs[k] for k in used)
+
+    def one(xs: tuple[torch.Tensor, ...], gs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        _, vjp_fn = torch.func.vjp(lambda p: call(p, xs), diff)
+        return vjp_fn(tuple(go.unsqueeze(0) for go in gs))[0]
+
+    if not used:
+        return PerExampleGrad({n: torch.zeros((batch, *diff[n].shape), dtype=diff[n].dtype) for n in diff_names})
+    xs = tuple(flat[k] for k in positions)
+    gs = tuple(grads_out[k] for k in used)
+    return PerExampleGrad(dict(torch.func.vmap(one)(xs, gs)))
+
+
+def choose_method(mode: str, t: int, d_in: int, d_out: int) -> Method:
+    """``"ghost"`` forces ghost norms; ``"auto"`` materialises per-example weight gradients
+    when they are no larger than the activations they come from (``d_in d_out <= T (d_in + d_out)``).
+
+    At that point they also cost fewer flops than the ghost norm (``O(T d_in d_out)`` vs
+    ``O(T^2 (d_in + d_out))``): convolutions over many positions, and tiny layers.
+    Otherwise (long sequences through wide layers, every wide ``T = 1`` layer) the ghost
+    norm wins on memory (the mixed rule of Bu et al. 2023).
+    """
+    if mode == "ghost":
+        return "ghost"
+    return "pe" if d_in * d_out <= t * (d_in + d_out) else "ghost"
+
+
+# --- small tensor helpers -----------------------------------------------------------
+
+
+def sq_norms_of(pe: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norm of each row of ``[B, ...]`` in float64."""
+    flat = pe.reshape(pe.shape[0], -1)
+    return torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64).square()
+
+
+def weighted_sum_of(pe: torch.Tensor, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``sum_i w_i pe_i``; rows with ``keep = False`` contribute exactly zero."""
+    if keep is not None:
+        pe = _zero_rows(pe, keep)
+    return torch.tensordot(w.to(pe.dtype), pe, dims=([0], [0]))
+
+
+def _zero_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _ghost_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``sum_groups sum_{t,s} (a_t . a_s)(g_t . g_s)`` per example, float64; overflow-safe."""
+    if a.shape[2] == 1:  # T = 1: ||g a^T||^2 = ||a||^2 ||g||^2, exact in float64
+        na = torch.linalg.vector_norm(a, dim=(2, 3), dtype=torch.float64)
+        ng = torch.linalg.vector_norm(g, dim=(2, 3), dtype=torch.float64)
+        return (na * ng).square().sum(dim=1)
+    out = _gram_product(a, g).to(torch.float64)
+    bad = ~torch.isfinite(out) & torch.isfinite(a).flatten(1).all(1) & torch.isfinite(g).flatten(1).all(1)
+    if bool(bad.any()):
+        # Finite inputs whose Gram products overflow: rescale each example by its max.
+        sa = a.abs().flatten(1).amax(1).clamp_min(torch.finfo(a.dtype).tiny)
+        sg = g.abs().flatten(1).amax(1).clamp_min(torch.finfo(g.dtype).tiny)
+        scaled = _gram_product(a / sa.view(-1, 1, 1, 1), g / sg.view(-1, 1, 1, 1)).to(torch.float64)
+        out = torch.where(bad, scaled * (sa.double() * sg.double()).square(), out)
+    return out
+
+
+def _gram_product(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    aa = torch.matmul(a, a.transpose(2, 3))  # [b, groups, T, T]
+    gg = torch.matmul(g, g.transpose(2, 3))
+    return (aa * gg).sum(dim=(1, 2, 3))
