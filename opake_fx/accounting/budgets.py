@@ -1,0 +1,177 @@
+"""Privacy budgets: a target value of one privacy-loss metric.
+
+A budget names the metric (epsilon at a fixed delta, or delta at a fixed epsilon), its
+target, and how to measure it (``accountant`` and ``discretization``), so that
+:func:`~opake_fx.accounting.calibrate` and :class:`~opake_fx.accounting.Accountant`
+measure a process the same way.
+
+Example:
+    >>> import opake_fx.accounting as acc
+    >>> import opake_fx.dpsgd.accounting as dpsgd_acc
+    >>> budget = acc.epsilon_budget(3.0, delta=1e-5)
+    >>> budget.is_met_by(dpsgd_acc.poisson(dpsgd_acc.gaussian(1.0), 0.01) * 1000)
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from opake_fx.accounting import _validation as check
+from opake_fx.accounting.pld import DEFAULT_DISCRETIZATION
+from opake_fx.accounting.process import DpProcess
+from opake_fx.errors import InputTypeError, InputValueError
+
+__all__ = ["Budget", "EpsilonBudget", "DeltaBudget", "epsilon_budget", "delta_budget", "budget_from_dict"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Budget:
+    """Base class: a privacy-loss metric that must stay at or below :attr:`value`."""
+
+    accountant: str = "pld"
+    discretization: float = DEFAULT_DISCRETIZATION
+    metric: ClassVar[str] = ""
+
+    @property
+    def value(self) -> float:
+        """The target value of the budgeted metric."""
+        raise NotImplementedError
+
+    def measure(self, process: DpProcess) -> float:
+        """The budgeted metric of ``process``."""
+        raise NotImplementedError
+
+    def is_met_by(self, process: DpProcess) -> bool:
+        """True when ``process`` spends no more than the budget (metric <= value)."""
+        if not isinstance(process, DpProcess):
+            raise InputTypeError(f"is_met_by: expected a DpProcess; got {type(process).__name__}.")
+        return self.measure(process) <= self.value
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON-able data (see :func:`budget_from_dict`)."""
+        raise NotImplementedError
+
+    def _check_settings(self) -> None:
+        if self.accountant not in ("pld", "rdp"):
+            raise InputValueError(f"{type(self).__name__}: accountant must be 'pld' or 'rdp'; got {self.accountant!r}.")
+        d = check.positive(self.discretization, "discretization", type(self).__name__)
+        object.__setattr__(self, "discretization", d)
+
+
+@dataclass(frozen=True)
+class EpsilonBudget(Budget):
+    """Epsilon at a fixed ``delta`` must be <= ``epsilon``."""
+
+    epsilon: float
+    delta: float
+    metric: ClassVar[str] = "epsilon"
+
+    def __post_init__(self) -> None:
+        e = check.non_negative(self.epsilon, "epsilon", "epsilon_budget", "Pass the target epsilon (>= 0).")
+        object.__setattr__(self, "epsilon", e)
+        object.__setattr__(self, "delta", check.delta(self.delta, "epsilon_budget"))
+        self._check_settings()
+
+    @property
+    def value(self) -> float:
+        return self.epsilon
+
+    def measure(self, process: DpProcess) -> float:
+        return process.epsilon_at(self.delta, accountant=self.accountant, discretization=self.discretization)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "epsilon",
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "discretization": self.discretization,
+        }
+
+
+@dataclass(frozen=True)
+class DeltaBudget(Budget):
+    """Delta at a fixed ``epsilon`` must be <= ``delta``."""
+
+    delta: float
+    epsilon: float
+    metric: ClassVar[str] = "delta"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "delta", check.delta(self.delta, "delta_budget"))
+        e = check.non_negative(self.epsilon, "epsilon", "delta_budget", "Pass the epsilon at which delta is measured.")
+        object.__setattr__(self, "epsilon", e)
+        self._check_settings()
+
+    @property
+    def value(self) -> float:
+        return self.delta
+
+    def measure(self, process: DpProcess) -> float:
+        return process.delta_at(self.epsilon, accountant=self.accountant, discretization=self.discretization)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "delta",
+            "delta": self.delta,
+            "epsilon": self.epsilon,
+            "accountant": self.accountant,
+            "discretization": self.discretization,
+        }
+
+
+def epsilon_budget(
+    epsilon: float,
+    delta: float,
+    *,
+    accountant: str = "pld",
+    discretization: float = DEFAULT_DISCRETIZATION,
+) -> EpsilonBudget:
+    """A budget of (``epsilon``, ``delta``)-DP: epsilon measured at ``delta``.
+
+    Args:
+        epsilon: target epsilon, >= 0.
+        delta: in (0, 1).
+        accountant: ``"pld"`` (default) or ``"rdp"``.
+        discretization: PLD grid spacing used to measure epsilon.
+
+    Example:
+        >>> import opake_fx.accounting as acc
+        >>> acc.epsilon_budget(3.0, delta=1e-5).value
+        3.0
+    """
+    return EpsilonBudget(accountant=accountant, discretization=discretization, epsilon=epsilon, delta=delta)
+
+
+def delta_budget(
+    delta: float,
+    epsilon: float,
+    *,
+    accountant: str = "pld",
+    discretization: float = DEFAULT_DISCRETIZATION,
+) -> DeltaBudget:
+    """A budget of (``epsilon``, ``delta``)-DP: delta measured at ``epsilon``.
+
+    Example:
+        >>> import opake_fx.accounting as acc
+        >>> acc.delta_budget(1e-5, epsilon=2.0).value
+        1e-05
+    """
+    return DeltaBudget(accountant=accountant, discretization=discretization, delta=delta, epsilon=epsilon)
+
+
+def budget_from_dict(data: dict[str, Any]) -> Budget:
+    """Inverse of :meth:`Budget.to_dict`."""
+    if not isinstance(data, dict):
+        raise InputTypeError(f"budget_from_dict: expected a dict; got {type(data).__name__}.")
+    settings = {
+        "accountant": data.get("accountant", "pld"),
+        "discretization": data.get("discretization", DEFAULT_DISCRETIZATION),
+    }
+    if data.get("type") == "epsilon":
+        return epsilon_budget(data["epsilon"], data["delta"], **settings)
+    if data.get("type") == "delta":
+        return delta_budget(data["delta"], data["epsilon"], **settings)
+    raise InputValueError(f"budget_from_dict: unknown budget type {data.get('type')!r}; expected 'epsilon' or 'delta'.")
