@@ -117,18 +117,18 @@ class RankGroup:
         outs = [got.get(r, Outcome(r, "timeout", None, time.monotonic() - start)) for r in range(self.world_size)]
         if any(o.status != "ok" for o in outs):
             self.broken = True
-            self.close()
+            self.close(force=any(o.status == "timeout" for o in outs))
         return outs
 
-    def close(self) -> None:
-        """Stops the workers (politely, then by force); idempotent."""
+    def close(self, *, force: bool = False) -> None:
+        """Stops the workers (politely, then by force; at once with ``force``); idempotent."""
         for inbox, p in zip(self._inboxes, self._procs):
             if p.is_alive():
                 try:
                     inbox.put(None)
                 except (OSError, ValueError):
                     pass
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + (0.0 if force else 5.0)
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self._procs:
