@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
+from opake_fx.dpsgd.clipping._compat import checkpoint_passthrough
 from opake_fx.dpsgd.clipping.types import ClippedGradAux, ClippingStats
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import NAMESPACE, safe_norm, tree_flatten_with_paths
@@ -154,7 +155,8 @@ def vmap_backend(loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     argnums = cfg.argnums[0] if cfg.single_argnum else cfg.argnums
     grad_fn = torch.func.grad(scalar_loss, argnums=argnums, has_aux=True)
     in_dims = tuple(0 if i in cfg.batch_argnums else None for i in range(len(args)))
-    grads, extras = torch.func.vmap(grad_fn, in_dims=in_dims)(*args)
+    with checkpoint_passthrough():  # checkpointed models work under vmap(grad) too
+        grads, extras = torch.func.vmap(grad_fn, in_dims=in_dims)(*args)
     return PerExample(optree.tree_leaves(grads, namespace=NAMESPACE), extras[0], extras[1] if cfg.has_aux else None)
 
 

@@ -33,6 +33,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from opake_fx.dpsgd.clipping import _layers as L
+from opake_fx.dpsgd.clipping._compat import checkpoint_passthrough
 from opake_fx.dpsgd.clipping._engine import (
     Backend,
     ClipConfig,
@@ -387,7 +388,8 @@ def _whole_loss_per_example(loss_fn: Callable[..., Any], args: tuple[Any, ...], 
         return (out[0] if cfg.has_aux else out).reshape(())
 
     in_dims = tuple(0 if i in cfg.batch_argnums else None for i in range(len(args)))
-    grads = torch.func.vmap(torch.func.grad(one), in_dims=(None, *in_dims))(tuple(base[k] for k in idx), *args)
+    with checkpoint_passthrough():
+        grads = torch.func.vmap(torch.func.grad(one), in_dims=(None, *in_dims))(tuple(base[k] for k in idx), *args)
     return dict(zip(idx, grads))
 
 

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opake_fx.dpsgd.clipping._compat import checkpoint_passthrough
+
 Method = Literal["ghost", "pe"]
 
 # Largest transient (in elements) that a rule builds at once: unfolded patches and
@@ -319,7 +321,8 @@ def module_per_example(
         return PerExampleGrad({n: torch.zeros((batch, *diff[n].shape), dtype=diff[n].dtype) for n in diff_names})
     xs = tuple(flat[k] for k in positions)
     gs = tuple(grads_out[k] for k in used)
-    return PerExampleGrad(dict(torch.func.vmap(one)(xs, gs)))
+    with checkpoint_passthrough():
+        return PerExampleGrad(dict(torch.func.vmap(one)(xs, gs)))
 
 
 def choose_method(mode: str, t: int, d_in: int, d_out: int) -> Method:
