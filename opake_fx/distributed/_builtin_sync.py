@@ -15,7 +15,8 @@ import torch
 
 from opake_fx.distributed._checks import check_identical, fingerprint, gather_fields
 from opake_fx.distributed._state import is_marked_synced, mark_synced, register_builtin
-from opake_fx.distributed.collectives import all_reduce_, collective_device
+from opake_fx.distributed._backend import collective_device
+from opake_fx.distributed.collectives import all_reduce_
 from opake_fx.distributed.metrics import gather_for_metrics
 from opake_fx.errors import DistributedMismatchError, InputTypeError
 from opake_fx.pytree import tree_map

@@ -20,7 +20,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from opake_fx.distributed.collectives import collective_device, get_world_size, run_collective
+from opake_fx.distributed._backend import collective_device, run_collective
+from opake_fx.distributed.collectives import get_world_size
 from opake_fx.errors import DistributedMismatchError, InputTypeError
 from opake_fx.random import RngKey
 from opake_fx.types import PerGroup

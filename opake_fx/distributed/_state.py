@@ -127,6 +127,8 @@ def register_sync_type(cls: type, fn: SyncFn | None = None) -> Any:
 def registered_sync_types() -> tuple[type, ...]:
     """The types :func:`sync` can handle (built-ins included), in registration order.
 
+    Privacy: none (a query about the registry).
+
     Example:
         >>> "GaussianNoiseState" in [t.__name__ for t in registered_sync_types()]
         True

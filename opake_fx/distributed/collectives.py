@@ -19,12 +19,13 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from opake_fx.errors import InputTypeError, InputValueError, OpakeError, OperationError
+from opake_fx.distributed._backend import REDUCE_OPS, check_device, resolve_op, run_collective
+from opake_fx.errors import InputTypeError, OperationError
 
 __all__ = [
     "is_distributed",
@@ -37,8 +38,6 @@ __all__ = [
     "REDUCE_OPS",
 ]
 
-REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min", "prod")
-"""The reductions accepted by :func:`all_reduce` and :func:`opake_fx.distributed.reduce_pytree`."""
 
 
 def is_distributed() -> bool:
@@ -181,68 +180,6 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> None:
         run_collective(f"all_reduce(op={op!r})", dist.all_reduce, tensor, op=reduce_op)
         if op == "mean":
             tensor.div_(get_world_size())
-
-
-# --- helpers shared by the other modules of opake_fx.distributed ---------------------
-
-
-def resolve_op(op: Any) -> Any:
-    """The ``torch.distributed.ReduceOp`` for ``op`` (``"mean"`` maps to SUM; we divide)."""
-    table = {
-        "sum": dist.ReduceOp.SUM,
-        "mean": dist.ReduceOp.SUM,
-        "max": dist.ReduceOp.MAX,
-        "min": dist.ReduceOp.MIN,
-        "prod": dist.ReduceOp.PRODUCT,
-    }
-    if not isinstance(op, str) or op not in table:
-        raise InputValueError(f"unknown reduction op {op!r}; use one of {list(REDUCE_OPS)}.")
-    return table[op]
-
-
-def backend_needs_cuda() -> bool:
-    """``True`` if the default group can only move CUDA tensors (plain nccl)."""
-    backend = str(dist.get_backend())
-    # A mixed backend such as "cpu:gloo,cuda:nccl" also takes CPU tensors.
-    return "nccl" in backend and "cpu:" not in backend
-
-
-def collective_device(hint: torch.Tensor | None = None) -> torch.device:
-    """The device for small bookkeeping tensors (metadata, sizes) in the default group.
-
-    nccl only moves CUDA tensors: the hint's CUDA device, else the current CUDA device.
-    Every other backend (gloo, mpi, mixed) takes CPU tensors.
-    """
-    if backend_needs_cuda():
-        if hint is not None and hint.device.type == "cuda":
-            return hint.device
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def check_device(tensor: torch.Tensor, where: str) -> None:
-    """Raises a clear error when the backend cannot reduce a tensor on this device."""
-    if backend_needs_cuda() and tensor.device.type != "cuda":
-        raise OperationError(
-            f"{where}: the process group uses nccl, which only reduces CUDA tensors, but this tensor is on "
-            f"{tensor.device}. Move your parameters and batches to the rank's GPU (tensor.to(device)), or "
-            "initialise the group with backend='gloo' for CPU training."
-        )
-
-
-def run_collective(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Calls a ``torch.distributed`` collective, turning backend failures into OperationError."""
-    try:
-        return fn(*args, **kwargs)
-    except OpakeError:
-        raise
-    except RuntimeError as exc:  # DistBackendError and gloo/nccl failures are RuntimeErrors
-        raise OperationError(
-            f"{name} failed on rank {get_rank()} of {get_world_size()}: {exc}. Another rank probably crashed, "
-            "hung past the process group's timeout, or called a different collective at this point. Check the "
-            "other ranks' logs; every rank must run the same sequence of collectives (the same steps, "
-            "the same sync and sum_gradients calls, also for empty batches)."
-        ) from exc
 
 
 def _check_tensor(tensor: Any, where: str) -> None:

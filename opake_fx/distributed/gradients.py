@@ -40,13 +40,8 @@ import optree
 import torch
 
 from opake_fx.distributed._checks import check_identical, fingerprint
-from opake_fx.distributed.collectives import (
-    all_reduce_,
-    collective_device,
-    get_world_size,
-    is_distributed,
-    resolve_op,
-)
+from opake_fx.distributed._backend import collective_device, resolve_op
+from opake_fx.distributed.collectives import all_reduce_, get_world_size, is_distributed
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import NAMESPACE
 from opake_fx.types import ClippedPytree, NoisedPytree, SecondMomentClippingOutput, SecondMomentNoiseOutput
@@ -94,8 +89,8 @@ def sum_gradients(gradients: PyTree) -> PyTree:
         >>> g.max_norm, g.pytree[0].tolist()   # one process: a copy
         (0.5, [1.0, 1.0])
     """
-    refuse_noised(gradients, "sum_gradients")
-    return reduce_copy(gradients, "sum", where="sum_gradients")
+    _refuse_noised(gradients, "sum_gradients")
+    return _reduce_copy(gradients, "sum", where="sum_gradients")
 
 
 def sum_gradients_(gradients: PyTree) -> None:
@@ -120,7 +115,7 @@ def sum_gradients_(gradients: PyTree) -> None:
         >>> g.pytree[0].tolist()
         [1.0, 1.0]
     """
-    refuse_noised(gradients, "sum_gradients_")
+    _refuse_noised(gradients, "sum_gradients_")
     _execute(_plan(gradients, "sum", in_place=True, where="sum_gradients_"))
 
 
@@ -159,7 +154,7 @@ def reduce_pytree(pytree: PyTree, op: str = "sum") -> PyTree:
         >>> n.max_norm, n.noise_stddev     # one process: W = 1
         (1.0, 2.0)
     """
-    return reduce_copy(pytree, op, where="reduce_pytree")
+    return _reduce_copy(pytree, op, where="reduce_pytree")
 
 
 def reduce_pytree_(pytree: PyTree, op: str = "sum") -> None:
@@ -195,19 +190,19 @@ def reduce_pytree_(pytree: PyTree, op: str = "sum") -> None:
     _execute(_plan(pytree, op, in_place=True, where="reduce_pytree_"))
 
 
-def reduce_copy(tree: PyTree, op: str, *, where: str) -> PyTree:
+def _reduce_copy(tree: PyTree, op: str, *, where: str) -> PyTree:
     """:func:`reduce_pytree` with ``where`` naming the caller in error messages."""
     plan = _plan(tree, op, in_place=False, where=where)
     _execute(plan)
     return plan.result
 
 
-def check_tree(tree: PyTree, op: str, *, where: str) -> None:
+def _check_tree(tree: PyTree, op: str, *, where: str) -> None:
     """Runs every local check of a reduction (op, leaves, wrapper rules) without moving data."""
     _plan(tree, op, in_place=True, where=where)
 
 
-def refuse_noised(tree: PyTree, where: str) -> None:
+def _refuse_noised(tree: PyTree, where: str) -> None:
     """Raises InputTypeError if ``tree`` holds a NoisedPytree: noise must come after aggregation."""
     found = optree.tree_leaves(tree, is_leaf=_is_noised, namespace=NAMESPACE)
     if any(_is_noised(leaf) for leaf in found):

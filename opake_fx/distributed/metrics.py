@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from opake_fx.distributed._checks import gather_float_rows
-from opake_fx.distributed.collectives import collective_device, get_world_size, is_distributed, run_collective
+from opake_fx.distributed._backend import collective_device, run_collective
+from opake_fx.distributed.collectives import get_world_size, is_distributed
 from opake_fx.errors import DistributedMismatchError, InputTypeError
 from opake_fx.pytree import assert_tensor_leaves, tree_map
 
@@ -73,6 +74,7 @@ def _gather_one(t: torch.Tensor) -> torch.Tensor:
         raise InputTypeError(f"gather_for_metrics cannot gather {t.dtype} tensors; cast to one of {list(_DTYPES)}.")
     if not is_distributed():
         return t
+    t = t.detach()  # the gathered values are data, not part of any graph
     device = collective_device(t)
     rows = gather_float_rows([float(t.shape[0]), float(_DTYPES.index(t.dtype)), *map(float, t.shape[1:])], device=device)
     filled = [(r, row) for r, row in enumerate(rows) if row[0] > 0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from opake_fx.distributed.collectives import is_distributed
-from opake_fx.distributed.gradients import check_tree, reduce_copy, refuse_noised
+from opake_fx.distributed.gradients import _check_tree, _reduce_copy, _refuse_noised
 from opake_fx.transforms import Transform
 from opake_fx.types import EmptyState
 
@@ -52,10 +52,10 @@ def psum() -> Transform:
         return EmptyState()
 
     def update(x: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
-        refuse_noised(x, "psum")
+        _refuse_noised(x, "psum")
         if not is_distributed():
-            check_tree(x, "sum", where="psum")
+            _check_tree(x, "sum", where="psum")
             return x, state
-        return reduce_copy(x, "sum", where="psum"), state
+        return _reduce_copy(x, "sum", where="psum"), state
 
     return Transform(init, update)

@@ -58,8 +58,7 @@ def test_sum_gradients_refuses_noise_before_aggregation(fn):
         assert "sum_gradients" in str(info.value) and "W * sigma" in str(info.value)
 
 
-@pytest.mark.parametrize("op", ["mean"])
-def test_in_place_refuses_metadata_changes_on_any_world_size(op):
+def test_in_place_refuses_metadata_changes_on_any_world_size():
     with pytest.raises(InputTypeError, match="would change its max_norm"):
         od.reduce_pytree_(_clipped(), op="mean")
     with pytest.raises(InputTypeError, match="would change its noise_stddev"):
@@ -236,3 +235,19 @@ def test_psum_pipeline_two_ranks(group2):
     expected = torch.tensor(r0["local"]) + torch.tensor(r1["local"]) + drawn.pytree
     torch.testing.assert_close(torch.tensor(r0["values"]), expected)
     assert r0["psum noised"][0] == "InputTypeError"
+
+
+def _grad_leaves(rank: int, world_size: int) -> dict:
+    w = torch.ones(2, requires_grad=True)
+    summed = od.sum_gradients([w * (rank + 1)])
+    gathered = od.gather_for_metrics(w * 2)
+    inplace = torch.ones(2, requires_grad=True)
+    od.sum_gradients_([inplace])  # a leaf that requires grad: reduced without autograd
+    return {"sum": summed[0].tolist(), "grad": summed[0].requires_grad, "gathered": gathered.tolist(),
+            "inplace": inplace.detach().tolist()}
+
+
+@pytest.mark.distributed
+def test_leaves_that_require_grad(group2):
+    r0, r1 = group2.run(_grad_leaves)
+    assert r0 == r1 == {"sum": [3.0, 3.0], "grad": False, "gathered": [2.0] * 4, "inplace": [2.0, 2.0]}
