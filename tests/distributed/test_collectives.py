@@ -58,6 +58,7 @@ def _core(rank: int, world_size: int) -> dict:
         "rank": od.get_rank(),
         "world_size": od.get_world_size(),
         "main": od.is_main_process(),
+        "shard": list(od.local_shard(range(5)).indices),  # rank and world size from the group
     }
     od.barrier()
     return out
@@ -66,8 +67,8 @@ def _core(rank: int, world_size: int) -> dict:
 @pytest.mark.distributed
 def test_core_queries(group2):
     assert group2.run(_core) == [
-        {"is_distributed": True, "rank": 0, "world_size": 2, "main": True},
-        {"is_distributed": True, "rank": 1, "world_size": 2, "main": False},
+        {"is_distributed": True, "rank": 0, "world_size": 2, "main": True, "shard": [0, 1]},
+        {"is_distributed": True, "rank": 1, "world_size": 2, "main": False, "shard": [2, 3, 4]},
     ]
 
 
