@@ -36,8 +36,9 @@ class CalibrateResult:
         param: the calibrated parameter (an int for integer brackets); it meets the budget.
         achieved: the budgeted metric at ``param`` (<= the budget's value).
         converged: True when ``achieved`` is within ``tolerance`` (relative) of the
-            budget, when no representable parameter lies between the safe and the unsafe
-            end, or when the whole bracket meets the budget (``param`` is then the bracket
+            budget (float parameters), when no representable parameter lies between the
+            safe and the unsafe end (always the case for a finished integer search), or
+            when the whole bracket meets the budget (``param`` is then the bracket
             end that spends the most); False only if ``max_iterations`` ran out first.
     """
 
@@ -63,8 +64,9 @@ def calibrate(
         fn: maps a parameter value to a DpProcess (noise multiplier, sample rate, steps...).
             The metric must be monotone in the parameter over the bracket.
         param_min, param_max: the bracket; both ints for an integer parameter.
-        tolerance: relative gap to the budget at which the search stops: the result
+        tolerance: relative gap to the budget at which a float search stops: the result
             satisfies ``value * (1 - tolerance) <= achieved <= value`` when reachable.
+            Integer searches always end at the exact boundary (``param + 1`` exceeds).
         max_iterations: evaluations allowed after the two bracket ends.
 
     Returns:
@@ -142,8 +144,12 @@ def calibrate(
     stall = 0
     history = [(unsafe, m_unsafe), (safe, m_safe)]
     aim = target * (1.0 - tolerance / 2.0)
+    # integers (e.g. steps) are searched to the exact boundary; floats to the tolerance
+    def done() -> bool:
+        return _adjacent(safe, unsafe, integer) or (not integer and m_safe >= target * (1.0 - tolerance))
+
     for _ in range(max_iterations):
-        if m_safe >= target * (1.0 - tolerance) or _adjacent(safe, unsafe, integer):
+        if done():
             converged = True
             break
         width = abs(unsafe - safe)
@@ -160,7 +166,7 @@ def calibrate(
             unsafe, m_unsafe = x, m_x
         stall = stall + 1 if abs(unsafe - safe) > width / 2.0 else 0
     else:
-        converged = m_safe >= target * (1.0 - tolerance) or _adjacent(safe, unsafe, integer)
+        converged = done()
     return CalibrateResult(safe, m_safe, converged)
 
 

@@ -83,9 +83,7 @@ class DpProcess:
 
     # -------------------------------------------------------------- algebra
 
-    def __mul__(self, count: object) -> DpProcess:
-        if isinstance(count, bool) or not isinstance(count, int | np.integer):
-            return NotImplemented
+    def __mul__(self, count: int) -> DpProcess:
         return repeat(self, count)
 
     __rmul__ = __mul__

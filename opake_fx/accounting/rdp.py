@@ -61,7 +61,7 @@ def epsilon_from_rdp(orders: Sequence[float], rdp: np.ndarray, delta: float) -> 
         else:
             eps = math.inf
         best = min(best, eps)
-    return max(0.0, best)
+    return float(max(0.0, best))
 
 
 def delta_from_rdp(orders: Sequence[float], rdp: np.ndarray, epsilon: float) -> float:
@@ -79,7 +79,7 @@ def delta_from_rdp(orders: Sequence[float], rdp: np.ndarray, epsilon: float) -> 
             log_d = min(log_d, (a - 1.0) * (r - epsilon + math.log1p(-1.0 / a)) - math.log(a))
         log_best = min(log_best, log_d)
     best = math.exp(log_best) if log_best > -math.inf else 0.0
-    return min(best, 1.0)
+    return float(min(best, 1.0))
 
 
 # ------------------------------------------------------------ single-step curves

@@ -1,0 +1,91 @@
+"""Accountant: budget enforcement, remaining steps, serialisation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import opake_fx.accounting as acc
+import opake_fx.dpsgd.accounting as dpsgd_acc
+from opake_fx.errors import BudgetExceededError, InputTypeError, InputValueError
+
+STEP = dpsgd_acc.poisson(dpsgd_acc.gaussian(1.0), 0.01)
+
+
+def test_steps_accumulate_and_match_the_composed_process():
+    acct = acc.Accountant(acc.epsilon_budget(2.0, delta=1e-5))
+    for _ in range(10):
+        acct.step(STEP)
+    acct |= STEP * 90
+    assert acct.spent == STEP * 100
+    assert acct.spent_epsilon(1e-5) == (STEP * 100).epsilon_at(1e-5)
+    assert acct.spent_delta(1.0) == (STEP * 100).delta_at(1.0)
+    assert not acct.budget_exceeded
+
+
+def test_exceeding_step_raises_and_changes_nothing():
+    acct = acc.Accountant(acc.epsilon_budget(1.0, delta=1e-5))
+    fits = acct.remaining_steps(STEP)
+    assert fits > 0
+    acct |= STEP * fits
+    before = acct.spent
+    assert acct.would_exceed(STEP)
+    with pytest.raises(BudgetExceededError, match="not recorded"):
+        acct.step(STEP)
+    with pytest.raises(BudgetExceededError):
+        acct |= STEP
+    assert acct.spent == before
+    assert acct.remaining_steps(STEP) == 0
+    assert not acct.budget_exceeded
+
+
+def test_remaining_steps_is_exact():
+    budget = acc.epsilon_budget(1.5, delta=1e-5)
+    acct = acc.Accountant(budget)
+    acct |= STEP * 50
+    k = acct.remaining_steps(STEP)
+    assert budget.is_met_by(STEP * (50 + k))
+    assert not budget.is_met_by(STEP * (50 + k + 1))
+    assert acct.remaining_steps(STEP, limit=3) == 3
+    with pytest.raises(InputValueError, match="no privacy"):
+        acct.remaining_steps(acc.identity())
+
+
+def test_functional_or_returns_a_new_accountant():
+    acct = acc.Accountant(acc.epsilon_budget(2.0, delta=1e-5))
+    new = acct | STEP
+    assert acct.spent == acc.identity()
+    assert new.spent == STEP
+
+
+def test_budget_exceeded_when_constructed_over_budget():
+    acct = acc.Accountant(acc.epsilon_budget(0.1, delta=1e-5), spent=STEP * 1000)
+    assert acct.budget_exceeded
+
+
+def test_state_dict_round_trips_through_json():
+    acct = acc.Accountant(acc.epsilon_budget(3.0, delta=1e-5, accountant="pld", discretization=1e-4))
+    acct |= STEP * 20
+    acct |= dpsgd_acc.poisson(dpsgd_acc.gaussian(0.8), 0.02) * 5
+    state = json.loads(json.dumps(acct.state_dict()))
+    back = acc.Accountant.from_state_dict(state)
+    assert back.spent == acct.spent
+    assert back.budget == acct.budget
+    assert back.spent_epsilon(1e-5) == acct.spent_epsilon(1e-5)
+    with pytest.raises(InputValueError, match="version"):
+        acc.Accountant.from_state_dict({"version": 99})
+
+
+def test_rdp_budget_accountant():
+    acct = acc.Accountant(acc.epsilon_budget(2.0, delta=1e-5, accountant="rdp"))
+    acct |= STEP * 100
+    assert acct.spent_epsilon(1e-5) == (STEP * 100).epsilon_at(1e-5, accountant="rdp")
+
+
+def test_accountant_type_errors():
+    with pytest.raises(InputTypeError):
+        acc.Accountant(3.0)  # type: ignore[arg-type]
+    acct = acc.Accountant(acc.epsilon_budget(1.0, 1e-5))
+    with pytest.raises(InputTypeError):
+        acct.step("step")  # type: ignore[arg-type]
