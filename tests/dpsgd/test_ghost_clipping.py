@@ -397,3 +397,35 @@ def test_input_modified_in_place_after_use_is_an_error() -> None:
                              batch_argnums=(1, 2), clip_backend="ghost", model=fmodel)
     with pytest.raises(OperationError, match="in place"):
         fn(params, torch.randn(4, 3), torch.randn(4, 3), state=state)
+
+
+def test_checkpoint_recomputation_uses_the_params_passed_in() -> None:
+    # functional_call has returned when the backward pass recomputes a checkpointed segment;
+    # the module's own (here: different, stale) parameters must not leak into the result.
+    torch.manual_seed(12)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = checkpoint(lambda z: torch.tanh(self.a(z)), x, use_reentrant=False)
+            return self.b(h).squeeze(1)
+
+    model = Net().double()
+    fmodel, params = make_functional(model)
+    fresh = tuple(p.detach().clone() * 1.5 + 0.1 for p in params)  # not the module's own parameters
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    loss = lambda p, x, y: (fmodel(p, x) - y) ** 2  # noqa: E731
+
+    def plain(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a_w, a_b, b_w, b_b = p
+        return (F.linear(torch.tanh(F.linear(x, a_w, a_b)), b_w, b_b).squeeze(1) - y) ** 2
+
+    want, norms, _ = reference(plain, fresh, x, y, 0.5)
+    for backend in ("ghost", "auto"):
+        out, aux = run_backend(backend, loss, fmodel, fresh, x, y, 0.5)
+        for got, ref in zip(out.pytree, want):
+            torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(aux.grad_norms, norms)

@@ -1,14 +1,18 @@
 """The fast clipping backends (``clip_backend="ghost"`` / ``"auto"``).
 
-One forward pass of the BATCHED loss records, for every call of a module that uses a
-differentiated parameter, the module's input (forward hook) and the gradient edge of
-its output. One backward pass of ``sum_i L_i``, asked only for those outputs (so
-autograd forms no weight gradient at all), gives the output gradients ``g``. The
-per-layer rules of :mod:`._layers` turn ``(a, g)`` into per-example squared norms;
-the engine turns the norms into weights ``w_i``; the rules then form
-``sum_i w_i dP_i`` straight from ``(a, g)`` (book-keeping, Bu et al. 2023). Cost:
-one forward, one backward, plus the norms; never a second backward and, for the
-ghost-norm layers, never a per-example gradient.
+One forward pass of the BATCHED loss runs with forward hooks on the model's modules.
+Every call of a module that uses a differentiated parameter passes its output through
+a *tap*: an identity autograd node that keeps the module's input and, in the backward
+pass, sees the gradient ``g`` of ``sum_i L_i`` with respect to the output. The
+backward pass asks autograd only for the gradient of a dummy scalar that every tap
+touches, so autograd propagates activation gradients through the whole model but forms
+no weight gradient at all. Each tap hands ``(a, g)`` to a per-layer rule
+(:mod:`._layers`) the moment ``g`` exists: the rule computes the per-example squared
+norms and keeps what the weighted sum will need (per-example weight gradients, or just
+``a`` and ``g`` for ghost-norm layers), so everything else is freed as the backward pass
+goes. The engine turns norms into weights ``w_i``; the rules then form
+``sum_i w_i dP_i`` (book-keeping, Bu et al. 2023). Cost: one forward, one backward, the
+norms; never a second backward pass.
 
 Whatever the rules cannot do exactly goes to an exact fallback, per parameter:
 
@@ -20,6 +24,12 @@ Whatever the rules cannot do exactly goes to an exact fallback, per parameter:
 * a parameter used outside any module call (directly in ``loss_fn``), one whose module
   was called without the batch as first dimension, or one whose module fallback does not
   add up to the batch gradient: ``vmap`` of the whole loss, restricted to it.
+
+Gradient checkpointing (``torch.utils.checkpoint``, non-reentrant) composes: taps save
+their inputs through autograd, so checkpointed inputs are recomputed rather than kept,
+and the parameters seen in the forward pass are bound again while the backward pass
+recomputes (``functional_call`` has returned by then; without rebinding, recomputation
+would silently use the module's own, possibly stale, parameters).
 """
 
 from __future__ import annotations
@@ -29,19 +39,11 @@ from typing import Any, Callable, Literal
 import optree
 import torch
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from opake_fx.dpsgd.clipping import _layers as L
 from opake_fx.dpsgd.clipping._compat import checkpoint_passthrough
-from opake_fx.dpsgd.clipping._engine import (
-    Backend,
-    ClipConfig,
-    PerExampleNorms,
-    _diff_tree,
-    batch_size_of,
-    vmap_backend,
-)
+from opake_fx.dpsgd.clipping._engine import Backend, ClipConfig, PerExampleNorms, _diff_tree, batch_size_of, vmap_backend
 from opake_fx.errors import InputTypeError, InputValueError, OperationError
 from opake_fx.functional import FunctionalModel
 from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths
@@ -67,18 +69,6 @@ def make_backend(clip_backend: str, model: FunctionalModel | nn.Module | None) -
     return _NormBackend(root, clip_backend)
 
 
-class _Use:
-    """One call of one module that used differentiated parameters."""
-
-    __slots__ = ("module", "kind", "names", "args", "kwargs", "versions", "edges", "bound")
-
-    def __init__(self, module: nn.Module, kind: str, names: dict[str, int], args: tuple[Any, ...],
-                 kwargs: dict[str, Any], edges: list[Any], bound: dict[str, torch.Tensor] | None) -> None:
-        self.module, self.kind, self.names = module, kind, names
-        self.args, self.kwargs, self.edges, self.bound = args, kwargs, edges, bound
-        self.versions = [t._version for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-
-
 class _NormBackend:
     """Callable backend: ``(loss_fn, args, kwargs, cfg) -> PerExampleNorms`` for one (micro)batch."""
 
@@ -90,55 +80,50 @@ class _NormBackend:
         _, flat, treedef = tree_flatten_with_paths(_diff_tree(args, cfg))
         leaves = [x.detach().requires_grad_(True) for x in flat]
         run_args = _with_diff(args, cfg, optree.tree_unflatten(treedef, leaves))
-        index = {id(x): i for i, x in enumerate(leaves)}
-        capture = _Capture(self.root, index, batch)
-        with capture:
-            out = loss_fn(*run_args, **kwargs)
-        losses, loss_aux = _split_loss(out, cfg, batch)
+        capture = _Capture(self.root, leaves, batch, self.mode)
+        try:
+            with capture.forward():
+                out = loss_fn(*run_args, **kwargs)
+            losses, loss_aux = _split_loss(out, cfg, batch)
+            capture.plan(_leaf_use_counts(losses, capture.index))
+            verify = sorted(capture.fallback)
+            batch_grads: list[Any] = [None] * len(verify)
+            if losses.requires_grad and (capture.uses or verify):
+                with capture.backward():
+                    grads = torch.autograd.grad(losses.sum(), [capture.anchor] + [leaves[i] for i in verify], allow_unused=True)
+                batch_grads = list(grads[1:])
+        finally:
+            capture.close()
+        rules = capture.rules
+        for u in capture.uses:  # module fallbacks run now, outside the backward pass
+            if u.kind == "fallback" and u.pending is not None:
+                rules[id(u)] = _fallback_rule(u, capture.names_of(u), batch)
 
-        plan = _Plan(leaves, capture)
-        plan.resolve_unseen(_leaf_use_counts(losses, index))
-        slots = [(u, k) for u in plan.active_uses() for k, e in enumerate(u.edges) if e is not None]
-        verify = sorted(plan.fallback)
-        inputs = [u.edges[k] for u, k in slots] + [leaves[i] for i in verify]
-        grads: list[torch.Tensor | None] = [None] * len(inputs)
-        if inputs and losses.requires_grad:
-            grads = list(torch.autograd.grad(losses.sum(), inputs, allow_unused=True))
-        out_grads: dict[int, list[Any]] = {id(u): [None] * len(u.edges) for u in plan.active_uses()}
-        for (u, k), go in zip(slots, grads):
-            out_grads[id(u)][k] = go
-        batch_grads = dict(zip(verify, grads[len(slots):]))
-        del grads, inputs, slots
-
-        rules = {}
-        for u in plan.active_uses():
-            rules[id(u)] = _build_rule(u, plan.names_of(u), out_grads.pop(id(u)), self.mode, batch, leaves)
-            u.args = u.kwargs = None  # the rule keeps what it needs; free the rest now
         per_ex: dict[int, torch.Tensor] = {}
-        for i in range(len(leaves)):
-            uses = plan.uses_of(i)
-            if i in plan.whole or (len(uses) == 1 and i not in plan.fallback) or not uses:
-                continue
-            parts = [rules[id(u)].per_example(name) for u, name in uses if rules[id(u)] is not None]
+        for i, check in list(zip(verify, batch_grads)) + [(i, None) for i in capture.multi]:
+            parts = [rules[id(u)].per_example(n) for u, n in capture.uses_of(i) if rules.get(id(u)) is not None]
             pe = sum(parts[1:], parts[0]) if parts else torch.zeros((batch, *leaves[i].shape), dtype=leaves[i].dtype)
-            if i in plan.fallback and not _adds_up(pe, batch_grads.get(i)):
-                plan.whole.add(i)  # used somewhere the module fallback cannot see
+            if i in capture.fallback and not _adds_up(pe, check):
+                capture.whole.add(i)  # used somewhere the module fallback cannot see
                 continue
             per_ex[i] = pe
-        if plan.whole:
-            per_ex.update(_whole_loss_per_example(loss_fn, args, kwargs, cfg, treedef, leaves, sorted(plan.whole)))
+        if capture.whole:
+            per_ex.update(_whole_loss_per_example(loss_fn, args, kwargs, cfg, treedef, leaves, sorted(capture.whole)))
 
         single: dict[int, tuple[Any, str]] = {}
-        sq = torch.zeros((len(leaves), batch), dtype=torch.float64)
+        rows = []
         for i, leaf in enumerate(leaves):
             if i in per_ex:
-                sq[i] = L.sq_norms_of(per_ex[i]).cpu()
+                rows.append(L.sq_norms_of(per_ex[i]))
                 continue
-            uses = plan.uses_of(i)
-            if uses and rules[id(uses[0][0])] is not None:
-                single[i] = (rules[id(uses[0][0])], uses[0][1])
-                sq[i] = single[i][0].sq_norm(single[i][1]).cpu()
-        sq = sq.to(leaves[0].device) if leaves else sq
+            uses = capture.uses_of(i)
+            rule = rules.get(id(uses[0][0])) if uses else None
+            if rule is not None:
+                single[i] = (rule, uses[0][1])
+                rows.append(rule.sq_norm(uses[0][1]))
+            else:  # unused by the loss: zero gradient
+                rows.append(torch.zeros(batch, dtype=torch.float64, device=leaf.device))
+        sq = torch.stack(rows) if rows else torch.zeros((0, batch), dtype=torch.float64)
         shapes = [(leaf.shape, L.compute_dtype(leaf.dtype), leaf.device) for leaf in leaves]
 
         def weighted_sum(leaf_weights: torch.Tensor, finite: torch.Tensor) -> list[torch.Tensor]:
@@ -150,80 +135,108 @@ class _NormBackend:
                 elif i in single:
                     rule, name = single[i]
                     out.append(rule.weighted(name, leaf_weights[i], keep))
-                else:  # a parameter the loss does not use: its gradient is zero
+                else:
                     out.append(torch.zeros(shape, dtype=dtype, device=device))
             return out
 
         return PerExampleNorms(sq, weighted_sum, losses.detach(), loss_aux)
 
 
+class _Use:
+    """One call of one module that used differentiated parameters."""
+
+    __slots__ = ("module", "kind", "names", "spec", "items", "positions", "n_out", "bound", "pending")
+
+    def __init__(self, module: nn.Module, kind: str, names: dict[str, int]) -> None:
+        self.module, self.kind, self.names = module, kind, names
+        self.spec: Any = None  # fallback only: structure of (args, kwargs) and its non-tensor items
+        self.items: list[Any] = []
+        self.positions: list[int] = []  # where the saved tensors go in ``items``
+        self.n_out = 0
+        self.bound: dict[str, torch.Tensor] | None = None  # fallback only: params and buffers it used
+        self.pending: tuple[tuple[torch.Tensor, ...], tuple[Any, ...]] | None = None  # fallback: (inputs, grads)
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on a module's outputs that saves its inputs and reports ``g`` in the backward pass.
+
+    Outputs are returned as detached aliases (no copy): later in-place ops on them are
+    allowed and share the version counter, so autograd's own checks still hold.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, report: Any, n_in: int, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.report, ctx.n_in, ctx.anchor_device = report, n_in, anchor.device
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*tensors[:n_in])
+        outs = tuple(t.detach() for t in tensors[n_in:])
+        return outs if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        if ctx.report is not None:
+            try:
+                saved = ctx.saved_tensors
+            except RuntimeError as e:
+                if "inplace" not in str(e):
+                    raise
+                raise OperationError(
+                    "the input of a layer was modified in place after the layer used it (e.g. by an inplace "
+                    "activation or `x += ...` on a tensor a layer reads). The fast clipping backend needs layer "
+                    "inputs in the backward pass: make that operation out of place, or use clip_backend='vmap'."
+                ) from e
+            ctx.report(saved, grads)
+        return (torch.zeros((), device=ctx.anchor_device), None, None) + (None,) * ctx.n_in + grads
+
+
 class _Capture:
-    """Forward hooks on the model's modules, registered for one forward pass only."""
+    """Hooks, taps and per-leaf bookkeeping for one (micro)batch."""
 
-    def __init__(self, root: nn.Module, index: dict[int, int], batch: int) -> None:
-        self.root, self.index, self.batch = root, index, batch
+    def __init__(self, root: nn.Module, leaves: list[torch.Tensor], batch: int, mode: str) -> None:
+        self.root, self.batch, self.mode = root, batch, mode
+        self.leaves = leaves
+        self.index = {id(x): i for i, x in enumerate(leaves)}
+        self.anchor = torch.zeros((), device=leaves[0].device if leaves else None, requires_grad=True)
         self.uses: list[_Use] = []
-        self.whole: set[int] = set()  # leaves that only the whole-loss fallback can handle
+        self.rules: dict[int, Any] = {}
+        self.whole: set[int] = set()  # leaves only the whole-loss fallback can handle
+        self.fallback: set[int] = set()  # leaves with a module-fallback use (checked against the batch gradient)
+        self.multi: set[int] = set()  # leaves used by several calls: per-example gradients summed
+        self.by_leaf: dict[int, list[tuple[_Use, str]]] = {i: [] for i in range(len(leaves))}
         self.handles: list[Any] = []
+        self.recording = False
+        self.bindings: dict[nn.Module, dict[str, Any]] = {}
+        self.active: dict[int, dict[str, int]] = {}
 
-    def __enter__(self) -> _Capture:
+    # -- phases --------------------------------------------------------------------------
+
+    def forward(self) -> _Capture:
         for m in self.root.modules():
             if m._parameters or isinstance(m, _BatchNorm):
                 self.handles.append(m.register_forward_hook(self._hook, with_kwargs=True))
+        self.recording = True
+        return self
+
+    def __enter__(self) -> _Capture:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.recording = False
+
+    def backward(self) -> _Rebind:
+        return _Rebind(self.bindings)
+
+    def close(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
 
-    def _hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
-        if isinstance(module, _BatchNorm) and module.training:
-            raise InputValueError(
-                f"{type(module).__name__} in training mode normalises with statistics of the whole batch, so one "
-                "example's gradient depends on the others and clipping it bounds nothing. Use GroupNorm or "
-                "LayerNorm (or put the BatchNorm in eval mode) for DP training."
-            )
-        names = {}
-        for n in module._parameters:
-            p = getattr(module, n, None)
-            if isinstance(p, torch.Tensor) and id(p) in self.index:
-                names[n] = self.index[id(p)]
-        if not names:
-            return
-        kind = _kind(module)
-        outputs = [o for o in optree.tree_leaves(output) if isinstance(o, torch.Tensor)]
-        if not _batched(kind, module, args, kwargs, outputs, self.batch):
-            self.whole.update(names.values())
-            return
-        edges = [get_gradient_edge(o) if o.requires_grad else None for o in outputs]
-        bound = None
-        if kind == "fallback":
-            bound = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-        self.uses.append(_Use(module, kind, names, args, kwargs, edges, bound))
-
-
-class _Plan:
-    """Which call(s) and which method handle each differentiated leaf."""
-
-    def __init__(self, leaves: list[torch.Tensor], capture: _Capture) -> None:
-        num_leaves = len(leaves)
-        self._ids = [id(x) for x in leaves]
-        self.uses = capture.uses
-        self.whole = set(capture.whole)
-        self.fallback: set[int] = set()  # leaves with a module-fallback use: verified against the batch gradient
-        self._by_leaf: dict[int, list[tuple[_Use, str]]] = {i: [] for i in range(num_leaves)}
-        for u in self.uses:
-            for name, i in u.names.items():
-                self._by_leaf[i].append((u, name))
-                if u.kind == "fallback":
-                    self.fallback.add(i)
-
-    def resolve_unseen(self, counts: dict[int, int]) -> None:
-        """Routes leaves by how often the autograd graph uses them vs. how often hooked calls did."""
-        for i, uses in self._by_leaf.items():
+    def plan(self, counts: dict[int, int]) -> None:
+        """Routes every leaf, from its hooked uses and its uses in the autograd graph."""
+        for i, uses in self.by_leaf.items():
+            if any(u.kind == "fallback" for u, _ in uses):
+                self.fallback.add(i)
+        for i, uses in self.by_leaf.items():
             if i in self.whole:
                 continue
             if uses and i not in self.fallback and counts.get(i, 0) > len(uses):
@@ -236,26 +249,90 @@ class _Plan:
                 else:
                     self.whole.add(i)
         for i in self.whole:
-            self._by_leaf[i] = []
+            self.by_leaf[i] = []
         self.fallback -= self.whole
+        self.multi = {i for i, uses in self.by_leaf.items() if len(uses) > 1 and i not in self.fallback}
+        self.active: dict[int, dict[str, int]] = {}
+        for i, uses in self.by_leaf.items():
+            for u, n in uses:
+                self.active.setdefault(id(u), {})[n] = i
+        self.uses = [u for u in self.uses if id(u) in self.active]
 
     def uses_of(self, i: int) -> list[tuple[_Use, str]]:
-        return self._by_leaf[i]
+        return self.by_leaf[i]
 
     def names_of(self, use: _Use) -> dict[str, int]:
-        return {n: i for i, uses in self._by_leaf.items() for u, n in uses if u is use}
+        """The parameters (name -> leaf) this call's rule handles, after :meth:`plan`."""
+        return self.active.get(id(use), {})
 
-    def active_uses(self) -> list[_Use]:
-        seen = {id(u): u for uses in self._by_leaf.values() for u, _ in uses}
-        return [u for u in self.uses if id(u) in seen]
+    # -- hooks ---------------------------------------------------------------------------
+
+    def _hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return None
+        if isinstance(module, _BatchNorm) and module.training:
+            raise InputValueError(
+                f"{type(module).__name__} in training mode normalises with statistics of the whole batch, so one "
+                "example's gradient depends on the others and clipping it bounds nothing. Use GroupNorm or "
+                "LayerNorm (or put the BatchNorm in eval mode) for DP training."
+            )
+        names = {}
+        for n, p in module._parameters.items():
+            i = self.index.get(id(p))
+            if i is not None:
+                names[n] = i
+        if not names:
+            return None
+        kind = _kind(module)
+        single = isinstance(output, torch.Tensor)
+        outputs = [output] if single else [o for o in optree.tree_leaves(output) if isinstance(o, torch.Tensor)]
+        if not _batched(kind, module, args, kwargs, outputs, self.batch):
+            if self.recording:
+                self.whole.update(names.values())
+            return None
+        if kind == "fallback":
+            items, spec = optree.tree_flatten((args, kwargs))
+            positions = [k for k, t in enumerate(items) if isinstance(t, torch.Tensor)]
+            inputs = [items[k] for k in positions]
+        else:
+            a = args[0] if args else kwargs["input"]
+            inputs, items, spec, positions = [a], [], None, []
+        report = None
+        if self.recording:  # (not during a checkpoint's recomputation in the backward pass)
+            use = _Use(module, kind, names)
+            use.n_out = len(outputs)
+            if kind == "fallback":
+                use.spec, use.positions = spec, positions
+                use.items = [None if isinstance(t, torch.Tensor) else t for t in items]
+                use.bound = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+            self.uses.append(use)
+            for n, i in names.items():
+                self.by_leaf[i].append((use, n))
+            self._remember_bindings(module)
+            report = _Report(self, use)
+        tapped = _Tap.apply(self.anchor, report, len(inputs), *inputs, *outputs)
+        if single:
+            return tapped
+        tapped = list(tapped) if isinstance(tapped, tuple) else [tapped]
+        leaves, treedef = optree.tree_flatten(output)
+        it = iter(tapped)
+        return optree.tree_unflatten(treedef, [next(it) if isinstance(t, torch.Tensor) else t for t in leaves])
+
+    def _remember_bindings(self, module: nn.Module) -> None:
+        # The tensors functional_call bound to every module now, for checkpoint recomputation.
+        if module not in self.bindings:
+            for m in self.root.modules():
+                if m._parameters and m not in self.bindings:
+                    self.bindings[m] = dict(m._parameters)
 
     def _enclosing_fallback(self, i: int) -> list[tuple[_Use, str]]:
         # The innermost module-fallback call whose subtree holds the leaf (all calls of that module).
+        target = id(self.leaves[i])
         best: list[tuple[_Use, str]] = []
         for u in self.uses:
             if u.kind != "fallback" or u.bound is None:
                 continue
-            name = next((n for n, t in u.bound.items() if self._ids[i] == id(t)), None)
+            name = next((n for n, t in u.bound.items() if id(t) == target), None)
             if name is None:
                 continue
             if not best or len(u.bound) < len(best[0][0].bound or ()):
@@ -263,6 +340,69 @@ class _Plan:
             elif u.module is best[0][0].module:
                 best.append((u, name))
         return best
+
+
+class _Report:
+    """What a tap calls in the backward pass: build the layer's rule while ``a`` and ``g`` are at hand."""
+
+    __slots__ = ("capture", "use")
+
+    def __init__(self, capture: _Capture, use: _Use) -> None:
+        self.capture, self.use = capture, use
+
+    def __call__(self, saved: tuple[torch.Tensor, ...], grads: tuple[Any, ...]) -> None:
+        cap, use = self.capture, self.use
+        names = cap.names_of(use)
+        if not names:
+            return
+        if use.kind == "fallback":
+            use.pending = (tuple(t.detach() for t in saved), grads)
+            return
+        g = grads[0]
+        if g is None:  # the output does not reach the loss: zero gradient
+            cap.rules[id(use)] = None
+            return
+        a = saved[0].detach()
+        roles = {n: n for n in names}
+        dtype = cap.leaves[next(iter(names.values()))].dtype
+        if use.kind == "linear":
+            rule: Any = L.linear_grad(use.module, a, g, roles, cap.mode, dtype)
+        elif use.kind == "conv":
+            rule = L.conv_grad(use.module, a, g, roles, cap.mode, dtype)
+        elif use.kind == "embedding":
+            rule = L.EmbeddingGrad(a, g, use.module, L.compute_dtype(dtype))
+        else:
+            rule = L.norm_grad(use.module, a, g, roles, dtype)
+        cap.rules[id(use)] = rule
+
+
+class _Rebind:
+    """Binds the forward pass's parameters to their modules again (for checkpoint recomputation)."""
+
+    def __init__(self, bindings: dict[nn.Module, dict[str, Any]]) -> None:
+        self.bindings = bindings
+        self.saved: list[tuple[nn.Module, dict[str, Any]]] = []
+
+    def __enter__(self) -> None:
+        for m, params in self.bindings.items():
+            self.saved.append((m, dict(m._parameters)))
+            m._parameters.update(params)
+
+    def __exit__(self, *exc: Any) -> None:
+        for m, params in self.saved:
+            m._parameters.update(params)
+        self.saved = []
+
+
+def _fallback_rule(use: _Use, names: dict[str, int], batch: int) -> Any:
+    assert use.pending is not None
+    saved, grads = use.pending
+    use.pending = None
+    items = list(use.items)
+    for k, t in zip(use.positions, saved):
+        items[k] = t
+    args, kwargs = optree.tree_unflatten(use.spec, items)
+    return L.module_per_example(use.module, use.bound or {}, list(names), tuple(args), kwargs, list(grads), batch)
 
 
 def _kind(module: nn.Module) -> str:
@@ -307,33 +447,6 @@ def _batched(kind: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     if kind == "norm":
         return a.dim() >= 2 and (isinstance(module, nn.GroupNorm) or a.dim() > len(module.normalized_shape))
     return True
-
-
-def _build_rule(use: _Use, names: dict[str, int], grads_out: list[Any], mode: str, batch: int,
-                leaves: list[torch.Tensor]) -> Any:
-    tensors = [t for t in optree.tree_leaves((use.args, use.kwargs)) if isinstance(t, torch.Tensor)]
-    if any(t._version != v for t, v in zip(tensors, use.versions)):
-        raise OperationError(
-            f"the input of {type(use.module).__name__} was modified in place after the module used it (e.g. by an "
-            "inplace activation or `x += ...` on a tensor a layer reads). The fast clipping backend reads layer "
-            "inputs after the backward pass: make that operation out of place, or use clip_backend='vmap'."
-        )
-    args, kwargs = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, (use.args, use.kwargs))
-    if use.kind == "fallback":
-        return L.module_per_example(use.module, use.bound or {}, list(names), args, kwargs, grads_out, batch)
-    g = grads_out[0]
-    if g is None:  # the output does not reach the loss: zero gradient
-        return None
-    a = args[0] if args else kwargs["input"]
-    dtype = leaves[next(iter(names.values()))].dtype
-    roles = {n: n for n in names}
-    if use.kind == "linear":
-        return L.linear_grad(use.module, a, g, roles, mode, dtype)
-    if use.kind == "conv":
-        return L.conv_grad(use.module, a, g, roles, mode, dtype)
-    if use.kind == "embedding":
-        return L.EmbeddingGrad(a, g, use.module, L.compute_dtype(dtype))
-    return L.norm_grad(use.module, a, g, roles, dtype)
 
 
 def _leaf_use_counts(losses: torch.Tensor, index: dict[int, int]) -> dict[int, int]:

@@ -40,6 +40,9 @@ Method = Literal["ghost", "pe"]
 # Largest transient (in elements) that a rule builds at once: unfolded patches and
 # Gram matrices are formed for slices of the batch under this bound.
 _CHUNK_ELEMS = 1 << 23
+# Per-example weight gradients are formed this many elements at a time (about L2 size),
+# so their norms are read back from cache.
+_CACHE_ELEMS = 1 << 18
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -69,8 +72,9 @@ class MatmulGrad:
     ``patches(lo, hi)`` gives the inputs of examples ``lo:hi`` as ``[b, groups, T, d_in]``
     (a slice of the stored input for Linear, freshly unfolded patches for convolutions);
     ``g`` is ``[B, groups, T, d_out]``. ``method="pe"`` forms the per-example weight
-    gradients at once (memory ``B d_in d_out``); ``"ghost"`` keeps only ``a`` and ``g``
-    and computes norms from Gram matrices.
+    gradients at once (memory ``B d_in d_out``) and drops ``a`` and ``g``; ``"ghost"``
+    keeps ``a`` and ``g`` and takes norms from Gram matrices. Norms are computed when the
+    rule is built (in the backward pass, while ``a`` and ``g`` are in cache).
     """
 
     def __init__(
@@ -86,32 +90,46 @@ class MatmulGrad:
         dtype: torch.dtype,
     ) -> None:
         self.batch, self.groups, self.t, self.d_out = g.shape
-        self.d_in = d_in
-        self.dtype = dtype
-        self.patches = patches
-        self.g = g.to(dtype)
+        self.d_in, self.dtype = d_in, dtype
         self.names = names  # role ("weight" / "bias") -> parameter name
-        self.weight_shape, self.bias_shape = weight_shape, bias_shape
-        self.method: Method = method
+        self.weight_shape = weight_shape
+        g = g.to(dtype)
+        self.patches: Callable[[int, int], torch.Tensor] | None = None
+        self.g: torch.Tensor | None = None
         self._pe: torch.Tensor | None = None
+        self._a2: torch.Tensor | None = None  # T = 1, one group: a and g as [B, d]
+        self._g2: torch.Tensor | None = None
         self._bias_pe: torch.Tensor | None = None
+        self._bias_sq: torch.Tensor | None = None
+        self._sq: torch.Tensor | None = None
+        if self.t == 1 and self.groups == 1:
+            self._g2 = g.reshape(self.batch, self.d_out)
+            ng = torch.linalg.vector_norm(self._g2, dim=1, dtype=torch.float64)
+            if bias_shape is not None:
+                self._bias_pe, self._bias_sq = self._g2.reshape(self.batch, *bias_shape), ng.square()
+            if weight_shape is not None:  # ||g a^T|| = ||a|| ||g||, exact and overflow-free in float64
+                self._a2 = patches(0, self.batch).reshape(self.batch, d_in).to(dtype)
+                self._sq = (torch.linalg.vector_norm(self._a2, dim=1, dtype=torch.float64) * ng).square()
+            return
         if bias_shape is not None:
-            self._bias_pe = self.g.sum(dim=2).reshape(self.batch, *bias_shape)
-        if weight_shape is not None and method == "pe":
-            self._pe = self._weight_per_example()
-        if method == "pe" or weight_shape is None:
-            self.g = None  # type: ignore[assignment]
-            self.patches = None  # type: ignore[assignment]
+            self._bias_pe = g.sum(dim=2).reshape(self.batch, *bias_shape)
+        if weight_shape is None:
+            return
+        if method == "pe":
+            self._pe, self._sq = self._weight_per_example(patches, g)
+        else:
+            self.patches, self.g = patches, g
+            self._sq = torch.zeros(self.batch, dtype=torch.float64, device=g.device)
+            for lo, hi in self._chunks(self.groups * self.t * max(self.t, d_in)):
+                self._sq[lo:hi] = _ghost_sq_norms(patches(lo, hi).to(dtype), g[lo:hi])
 
     def sq_norm(self, name: str) -> torch.Tensor:
         if self._role(name) == "bias":
-            return sq_norms_of(self._bias_pe)
-        if self._pe is not None:
-            return sq_norms_of(self._pe)
-        out = torch.zeros(self.batch, dtype=torch.float64, device=self.g.device)
-        for lo, hi in self._chunks(self.groups * self.t * max(self.t, self.d_in)):
-            out[lo:hi] = _ghost_sq_norms(self.patches(lo, hi).to(self.dtype), self.g[lo:hi])
-        return out
+            if self._bias_sq is None:
+                self._bias_sq = sq_norms_of(self._bias_pe)
+            return self._bias_sq
+        assert self._sq is not None
+        return self._sq
 
     def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         if self._role(name) == "bias":
@@ -119,33 +137,55 @@ class MatmulGrad:
         if self._pe is not None:
             return weighted_sum_of(self._pe, w, keep)
         w = w.to(self.dtype)
-        total = torch.zeros((self.groups, self.d_out, self.d_in), dtype=self.dtype, device=self.g.device)
+        if self._a2 is not None and self._g2 is not None:
+            a, g = self._a2, self._g2
+            if keep is not None:
+                a, g = _zero_rows(a, keep), _zero_rows(g, keep)
+            # sum_i w_i g_i a_i^T as one matmul, scaling the narrower side
+            if self.d_out <= self.d_in:
+                return (g * w.unsqueeze(1)).t().mm(a).reshape(self.weight_shape)
+            return g.t().mm(a * w.unsqueeze(1)).reshape(self.weight_shape)
+        assert self.patches is not None and self.g is not None
+        total: torch.Tensor | None = None
         for lo, hi in self._chunks(self.groups * self.t * self.d_in):
             a, g = self.patches(lo, hi).to(self.dtype), self.g[lo:hi]
             if keep is not None:
                 a, g = _zero_rows(a, keep[lo:hi]), _zero_rows(g, keep[lo:hi])
             gw = g * w[lo:hi].view(-1, 1, 1, 1)
             if self.groups == 1:  # one large matmul, as the non-private backward does
-                total[0] += gw.reshape(-1, self.d_out).t().mm(a.reshape(-1, self.d_in))
+                part = gw.reshape(-1, self.d_out).t().mm(a.reshape(-1, self.d_in)).unsqueeze(0)
             else:
-                total += torch.einsum("bgto,bgti->goi", gw, a)
+                part = torch.einsum("bgto,bgti->goi", gw, a)
+            total = part if total is None else total.add_(part)
+        assert total is not None
         return total.reshape(self.weight_shape)
 
     def per_example(self, name: str) -> torch.Tensor:
         if self._role(name) == "bias":
             return self._bias_pe
-        return self._pe if self._pe is not None else self._weight_per_example()
+        if self._pe is not None:
+            return self._pe
+        if self._a2 is not None and self._g2 is not None:
+            return (self._g2.unsqueeze(2) * self._a2.unsqueeze(1)).reshape(self.batch, *self.weight_shape)
+        assert self.patches is not None and self.g is not None
+        return self._weight_per_example(self.patches, self.g)[0]
 
-    def _weight_per_example(self) -> torch.Tensor:
-        parts = []
-        for lo, hi in self._chunks(self.groups * self.t * self.d_in):
-            a, g = self.patches(lo, hi).to(self.dtype), self.g[lo:hi]
+    def _weight_per_example(self, patches: Callable[[int, int], torch.Tensor], g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Chunks small enough that each chunk's norms are taken while it is still in cache.
+        assert self.weight_shape is not None
+        pe = torch.empty((self.batch, self.groups, self.d_out, self.d_in), dtype=self.dtype, device=g.device)
+        sq = torch.empty(self.batch, dtype=torch.float64, device=g.device)
+        per_ex = self.groups * self.d_out * self.d_in
+        step = max(1, min(_CHUNK_ELEMS // max(1, self.groups * self.t * self.d_in), _CACHE_ELEMS // max(1, per_ex)))
+        for lo in range(0, self.batch, step):
+            hi = min(lo + step, self.batch)
+            a, gc = patches(lo, hi).to(self.dtype), g[lo:hi]
             if self.groups == 1:
-                parts.append(torch.bmm(g[:, 0].transpose(1, 2), a[:, 0]))
+                torch.bmm(gc[:, 0].transpose(1, 2), a[:, 0], out=pe[lo:hi, 0])
             else:
-                parts.append(torch.einsum("bgto,bgti->bgoi", g, a))
-        pe = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return pe.reshape(self.batch, *self.weight_shape)
+                pe[lo:hi] = torch.einsum("bgto,bgti->bgoi", gc, a)
+            sq[lo:hi] = sq_norms_of(pe[lo:hi])
+        return pe.reshape(self.batch, *self.weight_shape), sq
 
     def _chunks(self, per_example_elems: int) -> list[tuple[int, int]]:
         step = max(1, _CHUNK_ELEMS // max(1, per_example_elems))
@@ -169,7 +209,7 @@ class EmbeddingGrad:
         vocab, dim = module.num_embeddings, module.embedding_dim
         ids = ids.reshape(batch, -1).long()
         g = g.reshape(batch, -1, dim).to(dtype)
-        owner = torch.arange(batch, device=ids.device).unsqueeze(1).expand_as(ids)
+        owner = torch.arange(batch, device=ids.device).unsqueeze(1)
         keys = owner * vocab + ids
         if module.padding_idx is not None:
             mask = ids != module.padding_idx
@@ -181,10 +221,13 @@ class EmbeddingGrad:
         self.ids = uniq % vocab
         self.owner = uniq // vocab
         self.batch, self.shape, self.dtype = batch, (vocab, dim), dtype
+        row_sq = self.rows.square().sum(dim=1).to(torch.float64)
+        if not bool(torch.isfinite(row_sq).all()):  # overflow of float32 squares: redo in float64
+            row_sq = torch.linalg.vector_norm(self.rows, dim=1, dtype=torch.float64).square()
+        self._sq = torch.zeros(batch, dtype=torch.float64, device=g.device).index_add_(0, self.owner, row_sq)
 
     def sq_norm(self, name: str) -> torch.Tensor:
-        row_sq = torch.linalg.vector_norm(self.rows, dim=1, dtype=torch.float64).square()
-        return torch.zeros(self.batch, dtype=torch.float64, device=self.rows.device).index_add_(0, self.owner, row_sq)
+        return self._sq
 
     def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         coeff = w.to(self.dtype)[self.owner].unsqueeze(1)
@@ -326,17 +369,22 @@ def module_per_example(
 
 
 def choose_method(mode: str, t: int, d_in: int, d_out: int) -> Method:
-    """``"ghost"`` forces ghost norms; ``"auto"`` materialises per-example weight gradients
-    when they are no larger than the activations they come from (``d_in d_out <= T (d_in + d_out)``).
+    """How a Linear / convolution layer forms its norms and its share of the weighted sum.
 
-    At that point they also cost fewer flops than the ghost norm (``O(T d_in d_out)`` vs
-    ``O(T^2 (d_in + d_out))``): convolutions over many positions, and tiny layers.
-    Otherwise (long sequences through wide layers, every wide ``T = 1`` layer) the ghost
-    norm wins on memory (the mixed rule of Bu et al. 2023).
+    ``"ghost"`` mode always uses ghost norms. ``"auto"`` weighs the two book-keeping
+    variants: per-example weight gradients (``"pe"``) cost ``O(T d_in d_out)`` flops, the
+    same as the weight gradient of a non-private step, which they then replace, but hold
+    ``d_in d_out`` numbers per example; ghost norms keep only ``a`` and ``g``
+    (``T (d_in + d_out)`` per example) but add ``O(T^2 (d_in + d_out))`` flops for the
+    Gram matrices before the weighted matmul. So: ghost for ``T = 1`` (its norm is
+    free), per-example gradients while they are at most twice the size of ``a`` and
+    ``g`` (convolutions, transformer layers at moderate sequence length), ghost norms
+    beyond (wide layers on short sequences, e.g. a large-vocabulary output layer).
+    This is the mixed rule of Bu et al. (2023) with memory as the tie-breaker.
     """
-    if mode == "ghost":
+    if mode == "ghost" or t == 1:
         return "ghost"
-    return "pe" if d_in * d_out <= t * (d_in + d_out) else "ghost"
+    return "pe" if d_in * d_out <= 2 * t * (d_in + d_out) else "ghost"
 
 
 # --- small tensor helpers -----------------------------------------------------------

@@ -1,0 +1,312 @@
+"""Benchmark: the cost of one DP-SGD step relative to the same model's non-private step.
+
+Every variant is one full step on a fixed batch: forward, backward, (per-example
+clipping at C = 1, Gaussian noise with multiplier 1), SGD update.
+
+* ``non-private``  — ``loss.mean().backward()`` + ``torch.optim.SGD``.
+* ``opake-vmap``   — ``clipped_grad`` with the default vmap backend (per-example loss).
+* ``opake-auto``   — ``clipped_grad(..., clip_backend="auto", model=fmodel)`` (batched loss).
+* ``opacus-hooks`` — Opacus ``GradSampleModule`` (hooks) + ``DPOptimizer``.
+* ``opacus-ghost`` — Opacus ``GradSampleModuleFastGradientClipping`` (ghost clipping) +
+  ``DPOptimizerFastGradientClipping`` + ``DPLossFastGradientClipping``.
+
+opake variants add noise with ``gaussian_noise`` and update with one fused
+``torch._foreach_add`` (plain SGD). Times are medians over interleaved (round-robin)
+repeats, so load changes hit every variant alike; ratios are to ``non-private`` from the
+same run. Peak memory is the growth of the resident set during a few steps, measured
+in a fresh process per variant (``opake_fx.profiling.peak_rss_in_subprocess``, with
+``MALLOC_MMAP_THRESHOLD_=65536`` so freed buffers leave the RSS).
+
+Workloads (2 CPU threads):
+
+* ``mlp``    — MLP 20-64-1, MSE; batch 64 and 1024.
+* ``cnn``    — 28x28x1: conv 16 + GroupNorm + ReLU + pool, conv 32 + GroupNorm + ReLU + pool,
+  linear 10; batch 64 and 256.
+* ``lm``     — causal transformer LM: vocab 1000, d_model 128, 2 blocks of 4-head attention
+  (written from ``nn.Linear`` + ``F.scaled_dot_product_attention``, since
+  ``nn.MultiheadAttention`` keeps a packed ``in_proj_weight`` outside any Linear) and a
+  512-wide MLP, LayerNorm, learned position embeddings; seq 64, batch 16 and 64.
+* ``embbag`` — text classifier: ``nn.Embedding(20000, 64)``, mean over 64 tokens, linear 4;
+  batch 256. (``nn.EmbeddingBag`` fuses lookup and reduction, so neither Opacus hooks nor
+  layer rules see per-token outputs; ``nn.Embedding`` + mean is the per-example-friendly
+  equivalent.)
+
+Usage::
+
+    python benchmarks/clipping.py --quick          # < 10 minutes on 2 cores
+    python benchmarks/clipping.py --workloads lm-64 --variants non-private,opake-auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from opake_fx import profiling  # noqa: E402
+from opake_fx.dpsgd.clipping import clipped_grad  # noqa: E402
+from opake_fx.dpsgd.noise import gaussian_noise  # noqa: E402
+from opake_fx.functional import make_functional  # noqa: E402
+from opake_fx.random import key  # noqa: E402
+
+THREADS = 2
+LR = 0.05
+WORKLOADS: dict[str, tuple[str, int]] = {
+    "mlp-64": ("mlp", 64),
+    "mlp-1024": ("mlp", 1024),
+    "cnn-64": ("cnn", 64),
+    "cnn-256": ("cnn", 256),
+    "lm-16": ("lm", 16),
+    "lm-64": ("lm", 64),
+    "embbag-256": ("embbag", 256),
+}
+VARIANTS = ["non-private", "opake-vmap", "opake-auto", "opacus-hooks", "opacus-ghost"]
+LM_VOCAB, LM_DIM, LM_HEADS, LM_LAYERS, LM_SEQ, LM_FF = 1000, 128, 4, 2, 64, 512
+BAG_VOCAB, BAG_DIM, BAG_TOKENS, BAG_CLASSES = 20000, 64, 64, 4
+
+
+# --- models -----------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block from Linear/LayerNorm modules (causal self-attention + MLP)."""
+
+    def __init__(self, d: int, heads: int, ff: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, ff), nn.Linear(ff, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(LM_VOCAB, LM_DIM)
+        self.pos = nn.Embedding(LM_SEQ, LM_DIM)
+        self.blocks = nn.Sequential(*[Block(LM_DIM, LM_HEADS, LM_FF) for _ in range(LM_LAYERS)])
+        self.ln_f = nn.LayerNorm(LM_DIM)
+        self.head = nn.Linear(LM_DIM, LM_VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        positions = torch.arange(t, device=ids.device).repeat(b, 1)  # batch-first (and contiguous, for Opacus)
+        return self.head(self.ln_f(self.blocks(self.tok(ids) + self.pos(positions))))
+
+
+class BagClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(BAG_VOCAB, BAG_DIM)
+        self.fc = nn.Linear(BAG_DIM, BAG_CLASSES)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(ids).mean(dim=1))
+
+
+def build(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 1))
+    if kind == "cnn":
+        return nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(4, 32), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(32 * 7 * 7, 10),
+        )
+    if kind == "lm":
+        return TinyLM()
+    if kind == "embbag":
+        return BagClassifier()
+    raise ValueError(kind)
+
+
+def data(kind: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    if kind == "mlp":
+        return torch.randn(batch, 20, generator=g), torch.randn(batch, generator=g)
+    if kind == "cnn":
+        return torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    if kind == "lm":
+        ids = torch.randint(0, LM_VOCAB, (batch, LM_SEQ + 1), generator=g)
+        return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    return torch.randint(0, BAG_VOCAB, (batch, BAG_TOKENS), generator=g), torch.randint(0, BAG_CLASSES, (batch,), generator=g)
+
+
+def per_example_losses(kind: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Losses of shape [B] (the LM averages its token losses within each example)."""
+    if kind == "mlp":
+        return (out.squeeze(-1) - y) ** 2
+    if kind == "lm":
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="none").view(y.shape).mean(1)
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def criterion(kind: str) -> nn.Module:
+    return nn.MSELoss() if kind == "mlp" else nn.CrossEntropyLoss()
+
+
+def model_out(kind: str, out: torch.Tensor) -> torch.Tensor:
+    """What the (mean-reduced) criterion gets: squeezed for the MLP, flat tokens for the LM."""
+    if kind == "mlp":
+        return out.squeeze(-1)
+    if kind == "lm":
+        return out.reshape(-1, out.shape[-1])
+    return out
+
+
+# --- one step per variant -----------------------------------------------------------------
+
+
+def setup_step(workload: str, variant: str) -> Callable[[], None]:
+    """Builds model, data and optimiser for ``variant`` on ``workload``; returns the step."""
+    torch.set_num_threads(THREADS)
+    warnings.filterwarnings("ignore")
+    kind, batch = WORKLOADS[workload]
+    model = build(kind)
+    x, y = data(kind, batch)
+    y_flat = y.reshape(-1)
+    if variant == "non-private":
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        crit = criterion(kind)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            crit(model_out(kind, model(x)), y_flat).backward()
+            opt.step()
+
+        return step
+    if variant in ("opake-vmap", "opake-auto"):
+        fmodel, params = make_functional(model)
+        if variant == "opake-vmap":
+            loss = lambda p, xi, yi: per_example_losses(kind, fmodel(p, xi[None]), yi[None])[0]  # noqa: E731
+            grad_fn, cstate = clipped_grad(loss, clipping_norm=1.0, batch_argnums=(1, 2), normalize_by=batch)
+        else:
+            loss = lambda p, xb, yb: per_example_losses(kind, fmodel(p, xb), yb)  # noqa: E731
+            grad_fn, cstate = clipped_grad(loss, clipping_norm=1.0, batch_argnums=(1, 2), normalize_by=batch,
+                                           clip_backend="auto", model=fmodel)
+        noise_fn, nstate = gaussian_noise(noise_multiplier=1.0, key=key(0))
+        state: dict[str, Any] = {"params": list(params), "clip": cstate, "noise": nstate}
+
+        def step() -> None:
+            clipped, state["clip"] = grad_fn(tuple(state["params"]), x, y, state=state["clip"])
+            noised, state["noise"] = noise_fn(clipped, state["noise"])
+            state["params"] = torch._foreach_add(state["params"], list(noised.pytree), alpha=-LR)
+
+        return step
+    if variant == "opacus-hooks":
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        gsm = GradSampleModule(model, loss_reduction="mean")
+        opt = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=LR), noise_multiplier=1.0, max_grad_norm=1.0,
+                          expected_batch_size=batch, loss_reduction="mean")
+        crit = criterion(kind)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            crit(model_out(kind, gsm(x)), y_flat).backward()
+            opt.step()
+
+        return step
+    if variant == "opacus-ghost":
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+        from opacus.optimizers import DPOptimizerFastGradientClipping
+        from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+        gsm = GradSampleModuleFastGradientClipping(model, max_grad_norm=1.0, use_ghost_clipping=True, loss_reduction="mean")
+        opt = DPOptimizerFastGradientClipping(torch.optim.SGD(gsm.parameters(), lr=LR), noise_multiplier=1.0,
+                                              max_grad_norm=1.0, expected_batch_size=batch, loss_reduction="mean")
+        dp_loss = DPLossFastGradientClipping(gsm, opt, criterion(kind), loss_reduction="mean")
+        shape = tuple(y.shape) if kind == "lm" else None
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            dp_loss(model_out(kind, gsm(x)), y_flat, shape=shape).backward()
+            opt.step()
+
+        return step
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+# --- driver ---------------------------------------------------------------------------------
+
+
+def run(workloads: list[str], variants: list[str], warmup: int, repeats: int, mem_steps: int, memory: bool) -> list[dict[str, Any]]:
+    rows = []
+    for w in workloads:
+        t0 = time.perf_counter()
+        steps = {v: setup_step(w, v) for v in variants}
+        timings = profiling.time_interleaved(steps, warmup=warmup, repeats=repeats)
+        del steps
+        base = timings["non-private"].median if "non-private" in timings else math.nan
+        mems: dict[str, float] = {}
+        if memory:
+            for v in variants:
+                r = profiling.peak_rss_in_subprocess(
+                    f"{Path(__file__).resolve()}:setup_step", {"workload": w, "variant": v}, steps=mem_steps,
+                    env={"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(THREADS)},
+                )
+                mems[v] = r["delta"] / 2**20
+        mem_base = mems.get("non-private", math.nan)
+        for v in variants:
+            rows.append(dict(
+                workload=w, variant=v, ms=1e3 * timings[v].median, ratio=timings[v].median / base,
+                mem=mems.get(v, math.nan), mem_ratio=mems.get(v, math.nan) / mem_base if mem_base else math.nan,
+            ))
+        print(f"# {w}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    out = ["| workload | variant | step (ms) | time / non-private | peak RSS growth (MiB) | memory / non-private |",
+           "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['workload']} | {r['variant']} | {r['ms']:.2f} | {r['ratio']:.2f}x | "
+                   f"{r['mem']:.1f} | {r['mem_ratio']:.2f}x |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats (the < 10 minute run)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--warmup", type=int)
+    ap.add_argument("--repeats", type=int)
+    ap.add_argument("--no-memory", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(THREADS)
+    warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
+    repeats = args.repeats if args.repeats is not None else (7 if args.quick else 25)
+    workloads = [w for w in args.workloads.split(",") if w]
+    variants = [v for v in args.variants.split(",") if v]
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    t0 = time.perf_counter()
+    rows = run(workloads, variants, warmup, repeats, mem_steps=2 if args.quick else 3, memory=not args.no_memory)
+    print(f"torch {torch.__version__}, {THREADS} threads, warmup {warmup}, repeats {repeats} (medians); "
+          f"load average before {load}, after {os.getloadavg() if load else None}; {time.perf_counter() - t0:.0f}s\n")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
