@@ -1,0 +1,262 @@
+"""Correlated Gaussian noise for DP-FTRL: :func:`mf_gaussian_noise` and the ``noise`` stage.
+
+Step ``t`` adds ``std * (C^{-1} Z)_t`` to the clipped gradient, where the rows ``z_s``
+of ``Z`` are standard normals drawn from ``fold_in(key, s)`` (one subkey per leaf, as
+the DP-SGD noise draws them) and ``std = noise_multiplier * sensitivity * max_norm``.
+Row ``t`` of ``C^{-1} Z`` comes from the strategy's streaming inverse
+(:mod:`opake_fx.dpftrl.streaming`): O(bands or buffers) parameter-sized tensors in the
+state, never the whole ``Z``. With the same key every rank adds bit-identical noise,
+and a checkpointed state resumes the exact noise sequence.
+
+With the identity strategy the noise equals :func:`opake_fx.dpsgd.noise.gaussian_noise`
+with the same key, step for step.
+
+Momentum and learning-rate schedules: this stage only noises gradients. Run any
+optimizer after it; to make the strategy *aware* of the optimizer, optimise it for
+:func:`~opake_fx.dpftrl.workloads.momentum_workload` (folded in), otherwise for prefix
+sums (applied after). Privacy is the same either way: post-processing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from opake_fx.dpftrl.strategies._base import Strategy
+from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError, OperationError
+from opake_fx.pytree import tree_flatten_with_paths
+from opake_fx.random import RngKey, fold_in, tree_normal
+from opake_fx.transforms import Transform
+from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup
+
+__all__ = ["MfNoiseState", "mf_gaussian_noise", "noise"]
+
+
+@dataclass(frozen=True)
+class MfNoiseState:
+    """State of :func:`mf_gaussian_noise`.
+
+    Attributes:
+        key: the noise key (identical on every rank).
+        step: the number of steps noised so far.
+        buffers: the streaming inverse's parameter-sized buffers, one stacked tensor
+            ``(memory, *leaf.shape)`` per gradient leaf (empty before the first step and
+            for memory-free strategies).
+        max_norm: the sensitivity of the clipped gradients seen at step 0; every later
+            step must have the same (correlated noise is calibrated once for the run).
+    """
+
+    key: RngKey
+    step: int = 0
+    buffers: tuple[torch.Tensor, ...] = ()
+    max_norm: float | None = None
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held in the streaming buffers."""
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+
+def mf_gaussian_noise(
+    strategy: Strategy,
+    *,
+    noise_multiplier: float,
+    key: RngKey,
+    min_sep: int = 1,
+    max_participations: int | None = 1,
+    epochs: int | None = None,
+    n_steps: int | None = None,
+    buffer_dtype: torch.dtype | None = None,
+    inplace: bool = False,
+    exact: bool = False,
+) -> tuple[Callable[[ClippedPytree, MfNoiseState], tuple[NoisedPytree, MfNoiseState]], MfNoiseState]:
+    """Makes the DP-FTRL (matrix-factorisation) Gaussian mechanism for clipped gradients.
+
+    ``noise_fn(clipped, state)`` returns ``clipped + std * (C^{-1} Z)_t`` as a
+    :class:`~opake_fx.types.NoisedPytree` whose ``noise_stddev`` is the per-coordinate std
+    of that step's noise (``std * ||C^{-1}[t, :]||``).
+
+    Args:
+        strategy: the factorisation (e.g. ``band_mf_strategy(...)``).
+        noise_multiplier: ``sigma``: the std of ``z`` is ``sigma * sensitivity * max_norm``
+            (>= 0; 0 adds nothing).
+        key: the noise key; pass the SAME key on every rank.
+        min_sep, max_participations: the b-min-sep participation the sampler
+            guarantees; the sensitivity is ``strategy.sensitivity(min_sep, max_participations)``.
+            The default (1, 1) is the per-participation sensitivity, which is what the
+            amplified BandMF accounting (``accounting.poisson``) assumes.
+        epochs: use the fixed-epoch-order sensitivity ``strategy.epoch_sensitivity(epochs)``
+            instead (for :class:`~opake_fx.dpftrl.sampling.FixedEpochSampler`).
+        n_steps: the horizon, for strategies built without one (lambda-CGD).
+        buffer_dtype: dtype of the draws and buffers (default: each leaf's dtype);
+            float64 makes long streams exact to ~1e-15.
+        inplace: update the buffers in place (halves peak memory; the previous state
+            becomes invalid).
+        exact: draw JAX-identical Threefry normals (slow; tests).
+
+    Privacy:
+        The whole run releases ``C x + z`` with ``z ~ N(0, std^2)``: the Gaussian
+        mechanism with noise multiplier ``noise_multiplier`` on a query of sensitivity
+        ``sensitivity * max_norm`` under the stated participation. Account for it with
+        :func:`opake_fx.dpftrl.accounting.mf_gaussian` (same ``min_sep``,
+        ``max_participations``, ``epochs``), or with ``accounting.poisson`` for banded
+        strategies under cyclic Poisson sampling. Refuses anything that is not a
+        ``ClippedPytree``, a changing ``max_norm``, and steps beyond ``n_steps``.
+
+    Example:
+        >>> import torch
+        >>> from opake_fx.random import key
+        >>> from opake_fx.dpftrl import band_mf_strategy
+        >>> fn, s = mf_gaussian_noise(band_mf_strategy(8, 2, max_iterations=5), noise_multiplier=1.0, key=key(0))
+        >>> out, s = fn(ClippedPytree((torch.zeros(3),), max_norm=0.5), s)
+        >>> s.step, len(s.buffers), tuple(s.buffers[0].shape)
+        (1, 1, (1, 3))
+    """
+    if not isinstance(strategy, Strategy):
+        raise InputTypeError(
+            f"mf_gaussian_noise needs a Strategy (e.g. opake_fx.dpftrl.band_mf_strategy(...)); got {type(strategy).__name__}."
+        )
+    _check_noise_multiplier(noise_multiplier)
+    if not isinstance(key, RngKey):
+        raise InputTypeError(
+            f"mf_gaussian_noise needs key=opake_fx.random.key(seed); got {type(key).__name__}. Use the same key on "
+            "every rank so all ranks add identical noise."
+        )
+    horizon = strategy.n_steps if strategy.n_steps is not None else n_steps
+    if horizon is None:
+        raise InputValueError(
+            f"mf_gaussian_noise: {strategy!r} has no n_steps; pass n_steps= (the length of the run) so the "
+            "sensitivity covers the whole run."
+        )
+    if strategy.n_steps is not None and n_steps is not None and n_steps != strategy.n_steps:
+        raise InputValueError(f"mf_gaussian_noise: n_steps={n_steps} differs from the strategy's n_steps={strategy.n_steps}.")
+    if epochs is not None:
+        sens = strategy.epoch_sensitivity(epochs, n=horizon)
+    else:
+        sens = strategy.sensitivity(min_sep, max_participations, n=horizon)
+    inverse = strategy.inverse_noise()
+    row_norms: list[torch.Tensor] = []
+
+    def noise_fn(clipped: ClippedPytree, state: MfNoiseState) -> tuple[NoisedPytree, MfNoiseState]:
+        _check_input(clipped, noise_multiplier)
+        if not isinstance(state, MfNoiseState):
+            raise InputTypeError(f"noise_fn needs the MfNoiseState it returned; got {type(state).__name__}.")
+        t = state.step
+        if t >= horizon:
+            raise OperationError(
+                f"mf_gaussian_noise: step {t} is beyond the strategy's n_steps={horizon}. The sensitivity and the "
+                "accounting cover n_steps steps only; build a strategy for the longer run."
+            )
+        mn = clipped.sensitivity
+        if state.max_norm is not None and not math.isclose(mn, state.max_norm, rel_tol=1e-12, abs_tol=0.0):
+            raise NoiseInputError(
+                f"mf_gaussian_noise: max_norm changed from {state.max_norm} (step 0) to {mn} at step {t}. Correlated "
+                "noise is calibrated once for the whole run: keep clipping_norm and normalize_by constant."
+            )
+        std = noise_multiplier * sens * mn
+        if noise_multiplier == 0.0:
+            return NoisedPytree(clipped.pytree, clipped.max_norm, noise_stddev=0.0), replace(state, step=t + 1, max_norm=mn)
+        paths, leaves, spec = tree_flatten_with_paths(clipped.pytree)
+        like = [torch.empty(leaf.shape, dtype=buffer_dtype or leaf.dtype, device=leaf.device) for leaf in leaves]
+        buffers = state.buffers
+        if inverse.memory > 0 and not buffers:
+            if t > 0:
+                raise OperationError(
+                    "mf_gaussian_noise: the state has no buffers after step 0; pass the state returned by the previous call."
+                )
+            buffers = inverse.init(like)
+
+        def draw(s: int) -> list[torch.Tensor]:
+            return list(tree_normal(fold_in(state.key, s), like, exact=exact))
+
+        x, new_buffers = inverse.next(t, draw, buffers, inplace=inplace)
+        noised = spec.unflatten([leaf + (std * xi).to(leaf.dtype) for leaf, xi in zip(leaves, x)])
+        if not row_norms:
+            row_norms.append(strategy.inverse_row_norms(horizon))
+        marginal = std * float(row_norms[0][t])
+        return NoisedPytree(noised, clipped.max_norm, noise_stddev=marginal), MfNoiseState(state.key, t + 1, new_buffers, mn)
+
+    return noise_fn, MfNoiseState(key=key)
+
+
+def noise(
+    strategy: Strategy,
+    *,
+    noise_multiplier: float,
+    key: RngKey,
+    min_sep: int = 1,
+    max_participations: int | None = 1,
+    epochs: int | None = None,
+    n_steps: int | None = None,
+    buffer_dtype: torch.dtype | None = None,
+) -> Transform:
+    """:func:`mf_gaussian_noise` as a chain stage (``ClippedPytree`` in, ``NoisedPytree`` out).
+
+    ``init(params)`` allocates the streaming buffers shaped like ``params``.
+
+    Privacy: as :func:`mf_gaussian_noise`.
+
+    Example:
+        >>> import torch
+        >>> from opake_fx.random import key
+        >>> from opake_fx.dpftrl import bsr_strategy
+        >>> stage = noise(bsr_strategy(10, 3), noise_multiplier=1.0, key=key(1))
+        >>> state = stage.init([torch.zeros(4)])
+        >>> state.memory_bytes
+        32
+    """
+    noise_fn, state0 = mf_gaussian_noise(
+        strategy,
+        noise_multiplier=noise_multiplier,
+        key=key,
+        min_sep=min_sep,
+        max_participations=max_participations,
+        epochs=epochs,
+        n_steps=n_steps,
+        buffer_dtype=buffer_dtype,
+    )
+    inverse = strategy.inverse_noise()
+
+    def init(params: Any) -> MfNoiseState:
+        if params is None or inverse.memory == 0 or noise_multiplier == 0.0:
+            return state0
+        _, leaves, _ = tree_flatten_with_paths(params)
+        like = [torch.empty(leaf.shape, dtype=buffer_dtype or leaf.dtype, device=leaf.device) for leaf in leaves]
+        return replace(state0, buffers=inverse.init(like))
+
+    def update(x: Any, state: MfNoiseState, params: Any = None, **extra: Any) -> tuple[NoisedPytree, MfNoiseState]:
+        return noise_fn(x, state)
+
+    return Transform(init, update)
+
+
+def _check_noise_multiplier(nm: Any) -> None:
+    if isinstance(nm, bool) or not isinstance(nm, (int, float)) or math.isnan(nm) or nm < 0 or math.isinf(nm):
+        raise InputValueError(
+            f"noise_multiplier must be a finite number >= 0; got {nm!r}. Calibrate it for a target epsilon with "
+            "opake_fx.accounting.calibrate and opake_fx.dpftrl.accounting."
+        )
+
+
+def _check_input(x: Any, noise_multiplier: float) -> None:
+    if isinstance(x, NoisedPytree):
+        raise NoiseInputError(
+            "mf_gaussian_noise got a NoisedPytree: this gradient is already noised. Add noise once, after the "
+            "clipped gradients are aggregated across ranks."
+        )
+    if not isinstance(x, ClippedPytree):
+        raise NoiseInputError(
+            "mf_gaussian_noise expects a ClippedPytree (the output of clipped_grad or the clip stage); "
+            f"got {type(x).__name__}. Clip first: noise on unclipped gradients has no privacy guarantee."
+        )
+    if isinstance(x.max_norm, PerGroup) and noise_multiplier > 0:
+        pass  # isotropic: the effective (overall) sensitivity is used for every coordinate
+    if noise_multiplier > 0 and not math.isfinite(x.sensitivity):
+        raise NoiseInputError(
+            f"mf_gaussian_noise got a ClippedPytree with max_norm={x.max_norm} (clipping_norm=inf): its sensitivity is "
+            "unbounded, so no amount of noise makes it private. Set a finite clipping_norm, or noise_multiplier=0."
+        )
