@@ -327,8 +327,8 @@ def toeplitz_loss_fn(workload: Workload, reduction: Reduction, min_sep: int = 1,
     """``c -> reduced error * squared sensitivity`` for Toeplitz ``C`` with first column ``c``.
 
     The sensitivity term is ``||c||^2`` for single participation (or bands <= min_sep) and
-    the closed form of decreasing Toeplitz matrices otherwise (valid when ``c`` is
-    non-negative and non-increasing; callers re-check the final strategy).
+    the closed form of decreasing Toeplitz matrices, applied to the non-increasing
+    majorant of ``|c|`` (exact for decreasing ``c``, an upper bound otherwise).
     """
     n = workload.n_steps
     a = workload.toeplitz_coefficients() if workload.is_toeplitz else None
@@ -348,7 +348,9 @@ def toeplitz_loss_fn(workload: Workload, reduction: Reduction, min_sep: int = 1,
         if k == 1 or c.shape[0] <= min_sep:
             sens2 = torch.dot(c, c)
         else:
-            sens2 = _toeplitz.minsep_sensitivity_squared(c, n, min_sep, max_participations)
+            # Majorant: equal to c when c is non-negative and non-increasing (then exact),
+            # an upper bound otherwise, so the objective never understates the sensitivity.
+            sens2 = _toeplitz.minsep_sensitivity_squared(_toeplitz.nonincreasing_majorant(c), n, min_sep, max_participations)
         return red * sens2
 
     return loss

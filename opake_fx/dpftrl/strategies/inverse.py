@@ -227,9 +227,13 @@ def _optimize_inverse(
         beta = _toeplitz.conv(a, d, n)
         err = torch.cumsum(beta * beta, 0).mean()
         c = _toeplitz.series_inverse(d, n)
-        sens2 = torch.dot(c, c) if kk == 1 else _toeplitz.minsep_sensitivity_squared(c, n, min_sep, k)
-        return err * sens2
+        if kk == 1:
+            return err * torch.dot(c, c)
+        # The sensitivity of the non-increasing majorant: exact for decreasing C, an upper
+        # bound otherwise, and the value the final strategy will report.
+        return err * _toeplitz.minsep_sensitivity_squared(_toeplitz.nonincreasing_majorant(c), n, min_sep, k)
 
-    result = _optim.minimize(_optim.value_and_grad(loss), d0.double(), max_iterations=max_iterations, progress=progress, desc="BISR")
-    d = result.x
-    return d / d[0]
+    d0 = d0.double()
+    result = _optim.minimize(_optim.value_and_grad(loss), d0, max_iterations=max_iterations, progress=progress, desc="BISR")
+    d = result.x / result.x[0]
+    return d if float(loss(d)) <= float(loss(d0)) else d0
