@@ -167,6 +167,11 @@ def calibrate(
         stall = stall + 1 if abs(unsafe - safe) > width / 2.0 else 0
     else:
         converged = done()
+    if unsafe == (lo if decreasing else hi) and screen is not budget:
+        # the far end was only screened on the coarse grid: it may meet the budget after all
+        fine = measure(unsafe)
+        if fine <= target:
+            return CalibrateResult(unsafe, fine, True)
     return CalibrateResult(safe, m_safe, converged)
 
 

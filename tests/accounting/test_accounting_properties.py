@@ -77,7 +77,11 @@ def test_gaussian_epsilon_delta_inverse(sigma, steps, delta):
 def test_calibrated_noise_meets_budget(target, q, steps):
     budget = acc.epsilon_budget(target, delta=1e-5)
     make = lambda nm: dpsgd_acc.poisson(dpsgd_acc.gaussian(nm), q) * steps  # noqa: E731
-    result = acc.calibrate(budget, make, 0.3, 30.0)
+    try:
+        result = acc.calibrate(budget, make, 0.3, 30.0)
+    except CalibrationError:
+        assert not budget.is_met_by(make(30.0))  # no noise in the bracket is enough
+        return
     assert budget.is_met_by(make(result.param))
     assert result.achieved <= target
     if result.param > 0.3:  # the bracket end itself may already meet the budget

@@ -190,17 +190,17 @@ def _grid():
     for q in GRID_Q:
         for sigma in GRID_SIGMA:
             for steps in GRID_STEPS:
-                process = dpsgd_acc.poisson(dpsgd_acc.gaussian(sigma), q) * steps
-                # dp_accounting cannot hold the grid of epsilons in the thousands
-                if process.epsilon_at(1e-8) <= 200 and not (q >= 0.1 and sigma <= 0.5 and steps > 100):
+                if not (q >= 0.1 and sigma <= 0.5 and steps > 100):  # epsilons in the thousands
                     yield q, sigma, steps
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("q,sigma,steps", list(_grid()))
 def test_pld_grid_matches_dp_accounting(q, sigma, steps):
-    refs = dp_pld_epsilons(_event(q, sigma), steps)
     process = dpsgd_acc.poisson(dpsgd_acc.gaussian(sigma), q) * steps
+    if process.epsilon_at(1e-8) > 200:
+        pytest.skip("dp_accounting cannot hold the grid for epsilons in the hundreds")
+    refs = dp_pld_epsilons(_event(q, sigma), steps)
     pld = process.pld()
     for delta, ref in zip(DELTAS, refs):
         assert_close(process.epsilon_at(delta), ref, PLD_RTOL, f"delta={delta}")
