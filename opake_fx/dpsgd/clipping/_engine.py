@@ -195,7 +195,9 @@ def clipped_step(
     )
     batch = batch_size_of(args, cfg)
     out_dtypes = [cfg.dtype or _accumulation_dtype(leaf.dtype) for leaf in diff_leaves]
-    sums = [torch.zeros(leaf.shape, dtype=dt, device=leaf.device) for leaf, dt in zip(diff_leaves, out_dtypes)]
+    # Accumulators are created by the first microbatch (no zero-fill pass over large tables).
+    sums: list[torch.Tensor | None] = [None] * len(diff_leaves)
+    prescaled = False  # norm-based backends fold 1 / normalize_by into the weights
     all_norms, all_weights, all_finite, all_losses, all_aux = [], [], [], [], []
     step = cfg.microbatch_size or max(batch, 1)
     for start in range(0, batch, step):
@@ -209,16 +211,19 @@ def clipped_step(
         weights = weight_fn(norms, bounds.to(norms.device))
         weights = torch.where(finite.unsqueeze(0), weights, torch.zeros_like(weights))
         if isinstance(per_ex, PerExampleNorms):
-            leaf_weights = weights[torch.tensor(leaf_group, dtype=torch.long, device=weights.device)]
+            prescaled = True
+            leaf_weights = weights[torch.tensor(leaf_group, dtype=torch.long, device=weights.device)] / cfg.normalize_by
             for i, part in enumerate(per_ex.weighted_sum(leaf_weights, finite)):
-                sums[i] += part.to(out_dtypes[i])
+                part = part.to(out_dtypes[i])
+                sums[i] = part if sums[i] is None else sums[i].add_(part)
         else:
             sanitize = not bool(finite.all())
             for i, g_leaf in enumerate(per_ex.grad_leaves):
                 if sanitize:
                     g_leaf = torch.nan_to_num(g_leaf, nan=0.0, posinf=0.0, neginf=0.0)
                 w = weights[leaf_group[i]].to(device=g_leaf.device, dtype=out_dtypes[i])
-                sums[i] += torch.tensordot(w, g_leaf.to(out_dtypes[i]), dims=([0], [0]))
+                term = torch.tensordot(w, g_leaf.to(out_dtypes[i]), dims=([0], [0]))
+                sums[i] = term if sums[i] is None else sums[i].add_(term)
         all_norms.append(norms)
         all_weights.append(weights)
         all_finite.append(finite)
@@ -231,7 +236,11 @@ def clipped_step(
         all_finite, all_losses = [torch.zeros(0, dtype=torch.bool, device=device)], [torch.zeros(0, device=device)]
     norms = torch.cat(all_norms, dim=1)
     weights = torch.cat(all_weights, dim=1)
-    grads = optree.tree_unflatten(treedef, [s / cfg.normalize_by for s in sums])
+    totals = [
+        torch.zeros(leaf.shape, dtype=dt, device=leaf.device) if s is None else (s if prescaled else s / cfg.normalize_by)
+        for s, leaf, dt in zip(sums, diff_leaves, out_dtypes)
+    ]
+    grads = optree.tree_unflatten(treedef, totals)
     max_norm = clipping_norm / cfg.normalize_by
     return StepResult(
         clipped=ClippedPytree(grads, max_norm=max_norm),

@@ -104,12 +104,12 @@ class MatmulGrad:
         self._sq: torch.Tensor | None = None
         if self.t == 1 and self.groups == 1:
             self._g2 = g.reshape(self.batch, self.d_out)
-            ng = torch.linalg.vector_norm(self._g2, dim=1, dtype=torch.float64)
+            ng = row_norms(self._g2)
             if bias_shape is not None:
                 self._bias_pe, self._bias_sq = self._g2.reshape(self.batch, *bias_shape), ng.square()
             if weight_shape is not None:  # ||g a^T|| = ||a|| ||g||, exact and overflow-free in float64
                 self._a2 = patches(0, self.batch).reshape(self.batch, d_in).to(dtype)
-                self._sq = (torch.linalg.vector_norm(self._a2, dim=1, dtype=torch.float64) * ng).square()
+                self._sq = (row_norms(self._a2) * ng).square()
             return
         if bias_shape is not None:
             self._bias_pe = g.sum(dim=2).reshape(self.batch, *bias_shape)
@@ -151,11 +151,15 @@ class MatmulGrad:
             a, g = self.patches(lo, hi).to(self.dtype), self.g[lo:hi]
             if keep is not None:
                 a, g = _zero_rows(a, keep[lo:hi]), _zero_rows(g, keep[lo:hi])
-            gw = g * w[lo:hi].view(-1, 1, 1, 1)
-            if self.groups == 1:  # one large matmul, as the non-private backward does
-                part = gw.reshape(-1, self.d_out).t().mm(a.reshape(-1, self.d_in)).unsqueeze(0)
+            # Scale the narrower of a and g by the weights (fewer multiplies), then one matmul.
+            if self.d_out <= self.d_in:
+                g = g * w[lo:hi].view(-1, 1, 1, 1)
             else:
-                part = torch.einsum("bgto,bgti->goi", gw, a)
+                a = a * w[lo:hi].view(-1, 1, 1, 1)
+            if self.groups == 1:  # one large matmul, as the non-private backward does
+                part = g.reshape(-1, self.d_out).t().mm(a.reshape(-1, self.d_in)).unsqueeze(0)
+            else:
+                part = torch.einsum("bgto,bgti->goi", g, a)
             total = part if total is None else total.add_(part)
         assert total is not None
         return total.reshape(self.weight_shape)
@@ -221,9 +225,7 @@ class EmbeddingGrad:
         self.ids = uniq % vocab
         self.owner = uniq // vocab
         self.batch, self.shape, self.dtype = batch, (vocab, dim), dtype
-        row_sq = self.rows.square().sum(dim=1).to(torch.float64)
-        if not bool(torch.isfinite(row_sq).all()):  # overflow of float32 squares: redo in float64
-            row_sq = torch.linalg.vector_norm(self.rows, dim=1, dtype=torch.float64).square()
+        row_sq = row_norms(self.rows).square()
         self._sq = torch.zeros(batch, dtype=torch.float64, device=g.device).index_add_(0, self.owner, row_sq)
 
     def sq_norm(self, name: str) -> torch.Tensor:
@@ -371,29 +373,43 @@ def module_per_example(
 def choose_method(mode: str, t: int, d_in: int, d_out: int) -> Method:
     """How a Linear / convolution layer forms its norms and its share of the weighted sum.
 
-    ``"ghost"`` mode always uses ghost norms. ``"auto"`` weighs the two book-keeping
-    variants: per-example weight gradients (``"pe"``) cost ``O(T d_in d_out)`` flops, the
-    same as the weight gradient of a non-private step, which they then replace, but hold
-    ``d_in d_out`` numbers per example; ghost norms keep only ``a`` and ``g``
-    (``T (d_in + d_out)`` per example) but add ``O(T^2 (d_in + d_out))`` flops for the
-    Gram matrices before the weighted matmul. So: ghost for ``T = 1`` (its norm is
-    free), per-example gradients while they are at most twice the size of ``a`` and
-    ``g`` (convolutions, transformer layers at moderate sequence length), ghost norms
-    beyond (wide layers on short sequences, e.g. a large-vocabulary output layer).
-    This is the mixed rule of Bu et al. (2023) with memory as the tie-breaker.
+    Both variants are book-keeping (one backward pass). Per-example weight gradients
+    (``"pe"``) cost ``T d_in d_out`` multiply-adds per example, written out as
+    ``d_in d_out`` numbers that the weighted sum then reads back; ghost norms cost
+    ``T^2 (d_in + d_out)`` for the two Gram matrices, keep only ``a`` and ``g``
+    (``T (d_in + d_out)`` numbers), and the weighted sum is one large matmul like the
+    non-private weight gradient. The ratio of the two costs is the same in flops and in
+    memory: ``T (d_in + d_out)`` vs ``d_in d_out``. ``"auto"`` takes the smaller
+    (per-example gradients at a tie), which is the rule of Bu et al. (2023) for mixed
+    ghost clipping; ``"ghost"`` always takes ghost norms. ``T = 1`` is always ghost: its
+    norm ``||a|| ||g||`` is free.
     """
     if mode == "ghost" or t == 1:
         return "ghost"
-    return "pe" if d_in * d_out <= 2 * t * (d_in + d_out) else "ghost"
+    return "pe" if d_in * d_out <= t * (d_in + d_out) else "ghost"
 
 
 # --- small tensor helpers -----------------------------------------------------------
 
 
 def sq_norms_of(pe: torch.Tensor) -> torch.Tensor:
-    """Squared L2 norm of each row of ``[B, ...]`` in float64."""
-    flat = pe.reshape(pe.shape[0], -1)
-    return torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64).square()
+    """Squared L2 norm of each row of ``[B, ...]``, returned in float64."""
+    return row_norms(pe.reshape(pe.shape[0], -1)).square()
+
+
+def row_norms(x: torch.Tensor) -> torch.Tensor:
+    """L2 norm of each row of ``[B, n]`` as float64, computed in ``x``'s dtype when that is exact enough.
+
+    A float32 sum of squares overflows for norms above ~1.8e19; only then (finite input,
+    infinite norm) are the rows recomputed in float64, so gigantic but finite gradients
+    are clipped, not mistaken for non-finite ones.
+    """
+    if x.dtype == torch.float64:
+        return torch.linalg.vector_norm(x, dim=1)
+    n = torch.linalg.vector_norm(x, dim=1)
+    if bool(torch.isinf(n).any()):
+        n = torch.linalg.vector_norm(x, dim=1, dtype=torch.float64)
+    return n.to(torch.float64)
 
 
 def weighted_sum_of(pe: torch.Tensor, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -410,10 +426,12 @@ def _zero_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 def _ghost_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``sum_groups sum_{t,s} (a_t . a_s)(g_t . g_s)`` per example, float64; overflow-safe."""
     if a.shape[2] == 1:  # T = 1: ||g a^T||^2 = ||a||^2 ||g||^2, exact in float64
-        na = torch.linalg.vector_norm(a, dim=(2, 3), dtype=torch.float64)
-        ng = torch.linalg.vector_norm(g, dim=(2, 3), dtype=torch.float64)
+        na = row_norms(a.reshape(a.shape[0] * a.shape[1], -1)).view(a.shape[0], a.shape[1])
+        ng = row_norms(g.reshape(g.shape[0] * g.shape[1], -1)).view(g.shape[0], g.shape[1])
         return (na * ng).square().sum(dim=1)
     out = _gram_product(a, g).to(torch.float64)
+    if bool(torch.isfinite(out).all()):
+        return out
     bad = ~torch.isfinite(out) & torch.isfinite(a).flatten(1).all(1) & torch.isfinite(g).flatten(1).all(1)
     if bool(bad.any()):
         # Finite inputs whose Gram products overflow: rescale each example by its max.
@@ -425,6 +443,8 @@ def _ghost_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 def _gram_product(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    aa = torch.matmul(a, a.transpose(2, 3))  # [b, groups, T, T]
-    gg = torch.matmul(g, g.transpose(2, 3))
-    return (aa * gg).sum(dim=(1, 2, 3))
+    b, groups, t = a.shape[0], a.shape[1], a.shape[2]
+    a3, g3 = a.reshape(b * groups, t, -1), g.reshape(b * groups, t, -1)
+    aa = torch.bmm(a3, a3.transpose(1, 2))  # [b * groups, T, T]
+    gg = torch.bmm(g3, g3.transpose(1, 2))
+    return torch.linalg.vecdot(aa.view(b, -1), gg.view(b, -1))
