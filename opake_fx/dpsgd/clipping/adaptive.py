@@ -86,6 +86,10 @@ def adaptive_clipped_grad(
     expected batch size; then ``C <- C * exp(-learning_rate * (b - target_quantile))``
     (geometric update of Andrew, Thakkar, McMahan, Ramaswamy, NeurIPS 2021).
 
+    ``clip_backend`` / ``model`` select the per-example norm backend exactly as in
+    :func:`clipped_grad` (``"ghost"`` / ``"auto"`` take a batched ``loss_fn`` returning
+    per-example losses); the weight rule does not depend on how norms are obtained.
+
     Privacy:
         The gradient sum has sensitivity ``max_norm = C_t / normalize_by`` at every step.
         The centred count has sensitivity 1/2, so the count release is a Gaussian

@@ -41,6 +41,10 @@ def auto_clipped_grad(
     (``clipping_norm``), so the learning rate absorbs the scale. ``gamma > 0`` keeps
     small gradients from being blown up.
 
+    ``clip_backend`` / ``model`` select the per-example norm backend exactly as in
+    :func:`clipped_grad` (``"ghost"`` / ``"auto"`` take a batched ``loss_fn`` returning
+    per-example losses); the weight rule does not depend on how norms are obtained.
+
     Privacy:
         Each scaled gradient has norm ``R ||g|| / (||g|| + gamma) < R``, so the sum has
         add-or-remove sensitivity ``max_norm = R / normalize_by``, the same as

@@ -34,8 +34,9 @@ def clipped_grad(
 ) -> tuple[Callable[..., Any], FixedClipState]:
     """Makes a function that returns the sum of clipped per-example gradients.
 
-    ``loss_fn`` is written for ONE example: it is vmapped over the leading dimension of
-    the ``batch_argnums`` arguments. Each example's gradient (w.r.t. ``argnums``, over
+    With the default ``clip_backend="vmap"``, ``loss_fn`` is written for ONE example: it
+    is vmapped over the leading dimension of the ``batch_argnums`` arguments (with
+    ``"ghost"`` / ``"auto"`` it takes the whole batch and returns per-example losses). Each example's gradient (w.r.t. ``argnums``, over
     all their leaves together) is scaled to L2 norm ``<= clipping_norm``, the scaled
     gradients are summed and divided by ``normalize_by``.
 
@@ -55,6 +56,17 @@ def clipped_grad(
             batch size, non-finite count).
         return_aux: also return :class:`ClippedGradAux` (per-example losses and norms).
         dtype: dtype of the returned sum (default: at least float32).
+        clip_backend: how per-example norms and the clipped sum are computed.
+            ``"vmap"`` (default): ``vmap(grad(loss_fn))`` over single examples.
+            ``"ghost"`` / ``"auto"``: from layer activations and output gradients of
+            ONE batched forward and backward pass, without per-example gradients
+            (ghost norms / book-keeping; ``"auto"`` picks the cheaper rule per layer).
+            For these, ``loss_fn`` is called on the WHOLE batch and must return the
+            per-example losses, shape ``[B]`` (``reduction="none"``), and ``model`` is
+            required. Same result as ``"vmap"`` (see ``docs/clipping.md``).
+        model: the :class:`~opake_fx.functional.FunctionalModel` (or ``nn.Module``)
+            that ``loss_fn`` calls; its modules are hooked during the call. Only used
+            by ``"ghost"`` / ``"auto"``.
 
     Returns:
         ``(grad_fn, state)``. ``grad_fn(*args, state=state, **kwargs)`` returns
@@ -66,6 +78,13 @@ def clipped_grad(
         per-group norms); under replace-one it is twice that. An example whose gradient
         is NaN or inf is zeroed (and counted), never propagated. Stats and aux are
         per-example, non-private diagnostics.
+
+    Example (fast backend, batched loss)::
+
+        fmodel, params = make_functional(net)
+        loss = lambda p, x, y: F.cross_entropy(fmodel(p, x), y, reduction="none")  # [B]
+        grad_fn, state = clipped_grad(loss, batch_argnums=(1, 2), clipping_norm=1.0,
+                                      clip_backend="auto", model=fmodel)
 
     Example:
         >>> import torch
