@@ -19,6 +19,7 @@ Example:
 """
 
 from opake_fx.dpftrl.noise import MfNoiseState, mf_gaussian_noise, noise
+from opake_fx.dpftrl.sampling import BallsInBinsSampler, CyclicPoissonSampler, FixedEpochSampler, MinSepSampler
 from opake_fx.dpftrl.strategies import (
     BandedStrategy,
     BltStrategy,
@@ -63,4 +64,8 @@ __all__ = [
     "MfNoiseState",
     "mf_gaussian_noise",
     "noise",
+    "CyclicPoissonSampler",
+    "MinSepSampler",
+    "BallsInBinsSampler",
+    "FixedEpochSampler",
 ]
