@@ -429,3 +429,21 @@ def test_checkpoint_recomputation_uses_the_params_passed_in() -> None:
         for got, ref in zip(out.pytree, want):
             torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
         torch.testing.assert_close(aux.grad_norms, norms)
+
+
+@pytest.mark.parametrize("backend", ["ghost", "auto"])
+def test_huge_but_finite_gradients_are_clipped_not_zeroed(backend: str) -> None:
+    # Entries of 1e20 are finite in float32 but their squares are not: norms are redone in float64.
+    torch.manual_seed(13)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))
+    fmodel, params = make_functional(model)
+    x = torch.randn(5, 4)
+    x[2] *= 1e20
+    loss = lambda p, x, y: fmodel(p, x).squeeze(1) * y  # noqa: E731
+    y = torch.ones(5)
+    want, want_aux = run_backend("vmap", loss, fmodel, params, x, y, 1.0)
+    got, got_aux = run_backend(backend, loss, fmodel, params, x, y, 1.0)
+    assert got_aux.num_nonfinite == want_aux.num_nonfinite == 0
+    torch.testing.assert_close(got_aux.grad_norms, want_aux.grad_norms, rtol=1e-5, atol=0)
+    for a, b in zip(got.pytree, want.pytree):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

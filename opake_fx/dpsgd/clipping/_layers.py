@@ -47,7 +47,7 @@ _CACHE_ELEMS = 1 << 18
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype rules compute in: at least float32, so low-precision models sum exactly enough."""
-    return torch.promote_types(dtype, torch.float32)
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class PerExampleGrad:
@@ -58,6 +58,9 @@ class PerExampleGrad:
 
     def sq_norm(self, name: str) -> torch.Tensor:
         return sq_norms_of(self.grads[name])
+
+    def sq_norm_precise(self, name: str) -> torch.Tensor:
+        return sq_norms_of(self.grads[name], precise=True)
 
     def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         return weighted_sum_of(self.grads[name], w, keep)
@@ -130,6 +133,16 @@ class MatmulGrad:
             return self._bias_sq
         assert self._sq is not None
         return self._sq
+
+    def sq_norm_precise(self, name: str) -> torch.Tensor:
+        if self._role(name) == "bias":
+            return sq_norms_of(self._bias_pe, precise=True)
+        if self._pe is not None:
+            return sq_norms_of(self._pe, precise=True)
+        if self._a2 is not None and self._g2 is not None:
+            return (row_norms(self._a2, precise=True) * row_norms(self._g2, precise=True)).square()
+        assert self._sq is not None
+        return self._sq  # Gram norms guard their own overflow
 
     def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         if self._role(name) == "bias":
@@ -230,6 +243,10 @@ class EmbeddingGrad:
 
     def sq_norm(self, name: str) -> torch.Tensor:
         return self._sq
+
+    def sq_norm_precise(self, name: str) -> torch.Tensor:
+        row_sq = row_norms(self.rows, precise=True).square()
+        return torch.zeros(self.batch, dtype=torch.float64, device=self.rows.device).index_add_(0, self.owner, row_sq)
 
     def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         coeff = w.to(self.dtype)[self.owner].unsqueeze(1)
@@ -392,24 +409,22 @@ def choose_method(mode: str, t: int, d_in: int, d_out: int) -> Method:
 # --- small tensor helpers -----------------------------------------------------------
 
 
-def sq_norms_of(pe: torch.Tensor) -> torch.Tensor:
+def sq_norms_of(pe: torch.Tensor, precise: bool = False) -> torch.Tensor:
     """Squared L2 norm of each row of ``[B, ...]``, returned in float64."""
-    return row_norms(pe.reshape(pe.shape[0], -1)).square()
+    return row_norms(pe.reshape(pe.shape[0], -1), precise).square()
 
 
-def row_norms(x: torch.Tensor) -> torch.Tensor:
-    """L2 norm of each row of ``[B, n]`` as float64, computed in ``x``'s dtype when that is exact enough.
+def row_norms(x: torch.Tensor, precise: bool = False) -> torch.Tensor:
+    """L2 norm of each row of ``[B, n]``, returned in float64.
 
-    A float32 sum of squares overflows for norms above ~1.8e19; only then (finite input,
-    infinite norm) are the rows recomputed in float64, so gigantic but finite gradients
-    are clipped, not mistaken for non-finite ones.
+    Computed in ``x``'s dtype (a float32 sum of squares overflows only for norms above
+    ~1.8e19); ``precise=True`` computes in float64. The backend recomputes precisely the
+    rows whose norm came out non-finite, so huge but finite gradients are clipped, not
+    mistaken for non-finite ones.
     """
-    if x.dtype == torch.float64:
-        return torch.linalg.vector_norm(x, dim=1)
-    n = torch.linalg.vector_norm(x, dim=1)
-    if bool(torch.isinf(n).any()):
-        n = torch.linalg.vector_norm(x, dim=1, dtype=torch.float64)
-    return n.to(torch.float64)
+    if precise:
+        return torch.linalg.vector_norm(x, dim=1, dtype=torch.float64)
+    return torch.linalg.vector_norm(x, dim=1).to(torch.float64)
 
 
 def weighted_sum_of(pe: torch.Tensor, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
