@@ -308,7 +308,7 @@ def conv_grad(
     t = g.shape[2] * g.shape[3]
 
     def patches(lo: int, hi: int) -> torch.Tensor:
-        cols = F.unfold(a[lo:hi], kernel, dilation=dilation, padding=padding, stride=stride)  # [b, C*k, T]
+        cols = _im2col(a[lo:hi], kernel, stride, dilation, padding)  # [b, C*k, T]
         return cols.view(hi - lo, groups, d_in, t).transpose(2, 3)
 
     return MatmulGrad(
@@ -339,7 +339,7 @@ def norm_grad(module: nn.Module, a: torch.Tensor, g: torch.Tensor, names: dict[s
         dims = tuple(range(1, a.dim() - len(shape)))  # reduce positions; keep [B, *normalized_shape]
     grads = {}
     for role, name in names.items():
-        per = g * xhat if role == "weight" else g
+        per = xhat.mul_(g) if role == "weight" else g  # xhat is ours: reuse its buffer
         grads[name] = per.sum(dim=dims) if dims else per
     return PerExampleGrad(grads)
 
@@ -432,6 +432,21 @@ def weighted_sum_of(pe: torch.Tensor, w: torch.Tensor, keep: torch.Tensor | None
     if keep is not None:
         pe = _zero_rows(pe, keep)
     return torch.tensordot(w.to(pe.dtype), pe, dims=([0], [0]))
+
+
+def _im2col(
+    a: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...], padding: tuple[int, ...]
+) -> torch.Tensor:
+    """``F.unfold`` (same layout: channel, then kernel row, kernel column), from one strided
+    view and one copy; several times faster than ``F.unfold`` on CPU."""
+    if any(padding):
+        a = F.pad(a, (padding[1], padding[1], padding[0], padding[0]))
+    b, c, h, w = a.shape
+    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
+    ho, wo = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
+    s0, s1, s2, s3 = a.stride()
+    view = a.as_strided((b, c, kh, kw, ho, wo), (s0, s1, s2 * dh, s3 * dw, s2 * sh, s3 * sw))
+    return view.reshape(b, c * kh * kw, ho * wo)
 
 
 def _zero_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
