@@ -13,8 +13,8 @@ clipping at C = 1, Gaussian noise with multiplier 1), SGD update.
 * ``opacus-ghost`` — Opacus ``GradSampleModuleFastGradientClipping`` (ghost clipping) +
   ``DPOptimizerFastGradientClipping`` + ``DPLossFastGradientClipping``.
 
-opake variants add noise with ``gaussian_noise`` and update with one fused
-``torch._foreach_add`` (plain SGD). Times are medians over interleaved (round-robin)
+opake variants add noise with ``gaussian_noise`` and update their parameter tensors
+in place with one fused ``torch._foreach_add_`` (plain SGD, as ``torch.optim.SGD`` does). Times are medians over interleaved (round-robin)
 repeats, so load changes hit every variant alike; ratios are to ``non-private`` from the
 same run. Peak memory is the growth of the resident set during a few steps, measured
 in a fresh process per variant (``opake_fx.profiling.peak_rss_in_subprocess``, with
@@ -215,11 +215,12 @@ def setup_step(workload: str, variant: str) -> Callable[[], None]:
             clipped, state["clip"] = grad_fn(tuple(state["params"]), x, y, state=state["clip"])
             if variant == "opake-auto+randn":  # Opacus-style noise: torch.randn from a torch.Generator
                 std = 1.0 * clipped.max_norm
-                noisy = [g + std * torch.randn(g.shape, generator=gen) for g in clipped.pytree]
+                noisy = [torch.randn(g.shape, generator=gen).mul_(std).add_(g) for g in clipped.pytree]
             else:
                 noised, state["noise"] = noise_fn(clipped, state["noise"])
                 noisy = list(noised.pytree)
-            state["params"] = torch._foreach_add(state["params"], noisy, alpha=-LR)
+            # In-place SGD on our own parameter tensors, as torch.optim.SGD does for the others.
+            torch._foreach_add_(state["params"], noisy, alpha=-LR)
 
         return step
     if variant == "opacus-hooks":

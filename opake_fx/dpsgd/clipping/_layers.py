@@ -250,9 +250,14 @@ class EmbeddingGrad:
 
     def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         coeff = w.to(self.dtype)[self.owner].unsqueeze(1)
-        rows = self.rows if keep is None else _zero_rows(self.rows, keep[self.owner])
+        if keep is not None:
+            coeff = torch.where(keep[self.owner].unsqueeze(1), coeff, torch.zeros_like(coeff))
+            rows = _zero_rows(self.rows, keep[self.owner])
+        else:
+            rows = self.rows
         out = torch.zeros(self.shape, dtype=self.dtype, device=self.rows.device)
-        return out.index_add_(0, self.ids, rows * coeff)
+        # The weighted sum is the rule's last use of its rows: scale them in place (no copy).
+        return out.index_add_(0, self.ids, rows.mul_(coeff))
 
     def per_example(self, name: str) -> torch.Tensor:
         # Only for an embedding table shared with another call (e.g. tied to an output layer).
