@@ -17,8 +17,8 @@ numerics; :class:`~opake_fx.accounting.DpProcess` is the user-facing way in.
   wrap-around. Mass at infinity composes as ``1 - prod(1 - p_inf)``.
 * Rounding: the FFT's floating-point error is bounded per output bin (it grows with the
   number of composed steps) and that bound is added to every bin, so the composed PLD
-  stays pessimistic in floating point too. Compositions of more than 1000 steps run in
-  extended precision (``numpy.longdouble``) to keep that bound negligible.
+  stays pessimistic in floating point too. Where that bound would add more than 5e-12
+  of mass, the composition runs in extended precision (``numpy.longdouble``) instead.
 * Add-or-remove neighbours: the 'remove' and 'add' pairs are composed separately and the
   worse of the two is reported, as dp_accounting does.
 * Cost control: single-step PLDs are cached per ``(mechanism, discretization)`` and
@@ -60,7 +60,8 @@ _TAIL_MASS = 1e-15  # composed mass allowed outside the FFT window (added to +in
 _TRIM_MASS = 1e-20  # single-step mass trimmed from each end (pessimistically)
 _MAX_GRID = 2**23  # largest window / single-step grid before coarsening
 _FULL_CONV_LIMIT = 2**18  # below this composed length, convolve the full support exactly
-_EXTENDED_PRECISION_STEPS = 1000  # compositions of more steps use long double FFTs
+_ROUNDING_BUDGET = 5e-12  # rounding-bound mass above which FFTs switch to long double
+_EXTENDED = np.finfo(np.longdouble).eps < np.finfo(np.float64).eps  # a real extended type?
 
 
 class _GridTooLarge(Exception):
@@ -251,24 +252,36 @@ def _compose(parts: Sequence[tuple[_Pmf, int]], tail: float = _TAIL_MASS) -> _Pm
         raise _GridTooLarge(width)
     n_fft = sfft.next_fast_len(max(width, max(p.size for p, _ in parts)), real=True)
     steps = sum(k for _, k in parts)
-    # Raising the spectrum to the k-th power multiplies its relative rounding error by k;
-    # long compositions are therefore computed in extended precision where the platform
-    # has it (x86: 64-bit mantissa, about 2000x less rounding error, ~4x the FFT cost).
-    dtype = np.longdouble if steps > _EXTENDED_PRECISION_STEPS else np.float64
+    # Floating point: raising the spectrum to the k-th power multiplies its relative
+    # rounding error by k, so every output bin may be off by up to ~(k + log2 N) * eps
+    # times the mean spectrum magnitude (~ the peak of the composed pmf). That bound is
+    # added to every bin, so rounding cannot make the result optimistic. (Checked against
+    # higher-precision recomputations: the largest per-bin error is below 2/3 of it.)
+    # When the bound would add more than _ROUNDING_BUDGET of mass in double precision,
+    # the composition is redone in extended precision (numpy.longdouble: 64-bit mantissa
+    # on x86, ~2000x less rounding for ~4x the FFT cost).
+    factor = steps + math.log2(n_fft) + 5.0
+    spectrum = _spectrum(parts, n_fft, np.float64)
+    magnitude = (abs(spectrum[0]) + 2.0 * np.abs(spectrum[1:]).sum()) / n_fft
+    dtype = np.float64
+    if factor * np.finfo(np.float64).eps * magnitude * width > _ROUNDING_BUDGET and _EXTENDED:
+        dtype = np.longdouble
+        spectrum = _spectrum(parts, n_fft, dtype)
+        magnitude = (abs(spectrum[0]) + 2.0 * np.abs(spectrum[1:]).sum()) / n_fft
+    out = sfft.irfft(spectrum, n_fft)
+    window = out[(np.arange(a, b + 1) - start) % n_fft]
+    error = factor * np.finfo(dtype).eps * magnitude
+    window = (np.maximum(window, 0.0) + error).astype(np.float64)
+    return _Pmf(d, a, window, inf + (tail if truncated else 0.0))
+
+
+def _spectrum(parts: Sequence[tuple[_Pmf, int]], n_fft: int, dtype: Any) -> np.ndarray:
+    """``prod_k rfft(p_k)^k`` at length ``n_fft`` in the given precision."""
     spectrum: np.ndarray | None = None
     for p, k in parts:
         f = _power(sfft.rfft(p.probs.astype(dtype), n_fft), k)
         spectrum = f if spectrum is None else spectrum * f
-    out = sfft.irfft(spectrum, n_fft)
-    window = out[(np.arange(a, b + 1) - start) % n_fft]
-    # Floating point: every output bin may be off by up to ~(k + log2 N) * eps times the
-    # mean spectrum magnitude (~ the peak of the composed pmf). That bound is added to
-    # every bin, so rounding cannot make the result optimistic. (Checked against
-    # higher-precision recomputations: the largest per-bin error is below 2/3 of it.)
-    magnitude = (abs(spectrum[0]) + 2.0 * np.abs(spectrum[1:]).sum()) / n_fft
-    error = (steps + math.log2(n_fft) + 5.0) * np.finfo(dtype).eps * magnitude
-    window = (np.maximum(window, 0.0) + error).astype(np.float64)
-    return _Pmf(d, a, window, inf + (tail if truncated else 0.0))
+    return spectrum  # type: ignore[return-value]
 
 
 def _power(f: np.ndarray, k: int) -> np.ndarray:
