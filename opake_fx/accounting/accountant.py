@@ -44,6 +44,10 @@ class Accountant:
             raise InputTypeError(f"Accountant: spent must be a DpProcess; got {type(spent).__name__}.")
         self._budget = budget
         self._spent = spent
+        # (process, n): n more runs of `process` fit on top of `spent` (computed once when
+        # the same process is stepped twice in a row, so long runs are checked in O(1))
+        self._headroom: tuple[DpProcess, int] | None = None
+        self._last: DpProcess | None = None
 
     @property
     def budget(self) -> Budget:
@@ -70,23 +74,41 @@ class Accountant:
 
     def would_exceed(self, process: DpProcess) -> bool:
         """True if taking ``process`` now would exceed the budget (nothing changes)."""
-        return not self._budget.is_met_by(compose(self._spent, _checked(process)))
+        process = _checked(process)
+        if self._headroom is not None and self._headroom[0] == process:
+            return self._headroom[1] < 1
+        return not self._budget.is_met_by(compose(self._spent, process))
 
     def step(self, process: DpProcess) -> None:
         """Records ``process`` as spent.
 
+        The first steps are checked directly; from the second consecutive step of the same
+        process on, the accountant computes once how many more of it fit
+        (:meth:`remaining_steps`) and counts down, so long training runs are cheap.
+
         Raises:
             BudgetExceededError: the step would exceed the budget; nothing is recorded.
         """
-        after = compose(self._spent, _checked(process))
-        if not self._budget.is_met_by(after):
+        process = _checked(process)
+        if self._headroom is None and process == self._last and process._components():
+            self._headroom = (process, self.remaining_steps(process))
+        if self._headroom is not None and self._headroom[0] == process:
+            fits = self._headroom[1] >= 1
+        else:
+            self._headroom = None
+            fits = self._budget.is_met_by(compose(self._spent, process))
+        if not fits:
+            after = compose(self._spent, process)
             value = self._budget.measure(after)
             raise BudgetExceededError(
                 f"Accountant: taking {process!r} would spend {self._budget.metric}={value:.6g} > budget "
                 f"{self._budget.value:g}; the step was not recorded. Do not release its output: stop "
                 "training, or add noise / use fewer steps."
             )
-        self._spent = after
+        self._spent = compose(self._spent, process)
+        self._last = process
+        if self._headroom is not None:
+            self._headroom = (process, self._headroom[1] - 1)
 
     def __ior__(self, process: DpProcess) -> Accountant:
         self.step(process)

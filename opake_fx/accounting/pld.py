@@ -93,7 +93,6 @@ class _Pmf:
         self.probs.setflags(write=False)
         self.inf = float(min(1.0, max(0.0, inf)))
         self._tails: tuple[np.ndarray, np.ndarray] | None = None
-        self._moments: tuple[float, float] | None = None
         self._blocks: dict[int, np.ndarray] = {}
 
     @property
@@ -115,20 +114,6 @@ class _Pmf:
             dd = self.inf + math.expm1(self.d) * np.cumsum(s[::-1])[::-1]
             self._tails = (np.ascontiguousarray(s), np.ascontiguousarray(dd))
         return self._tails
-
-    def moments(self) -> tuple[float, float]:
-        """Mean and variance of the finite part (normalised)."""
-        if self._moments is None:
-            p = self.probs
-            total = float(p.sum())
-            if total <= 0:
-                self._moments = (0.0, 0.0)
-            else:
-                idx = np.arange(self.size, dtype=np.float64)
-                m = float(p @ idx) / total
-                v = float(p @ (idx - m) ** 2) / total
-                self._moments = ((self.lo + m) * self.d, v * self.d * self.d)
-        return self._moments
 
     def log_mgf(self, lam: float) -> float:
         """``log sum_j p_j e^{lam l_j}`` over the finite part.

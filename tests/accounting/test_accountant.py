@@ -89,3 +89,20 @@ def test_accountant_type_errors():
     acct = acc.Accountant(acc.epsilon_budget(1.0, 1e-5))
     with pytest.raises(InputTypeError):
         acct.step("step")  # type: ignore[arg-type]
+
+
+def test_long_runs_count_down_a_precomputed_headroom():
+    budget = acc.epsilon_budget(1.0, delta=1e-5)
+    acct = acc.Accountant(budget)
+    fits = acct.remaining_steps(STEP)
+    taken = 0
+    with pytest.raises(BudgetExceededError):
+        while True:
+            acct.step(STEP)
+            taken += 1
+    assert taken == fits
+    assert acct.spent == STEP * fits
+    assert budget.is_met_by(acct.spent) and not budget.is_met_by(acct.spent | STEP)
+    assert acct.would_exceed(STEP)
+    other = dpsgd_acc.poisson(dpsgd_acc.gaussian(1.0), 0.001)
+    assert acct.would_exceed(other) == (not budget.is_met_by(acct.spent | other))
