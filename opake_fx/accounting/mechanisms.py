@@ -13,7 +13,6 @@ Users build these through the factories in :mod:`opake_fx.dpsgd.accounting`
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 

@@ -37,11 +37,11 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from scipy import fft as sfft
-from scipy import signal, special
+from scipy import signal
 
 from opake_fx.accounting import _curves
 
@@ -72,14 +72,6 @@ class _GridTooLarge(Exception):
         self.size = size
 
 
-class _Leaf(Protocol):
-    """What the engine needs from a single-step mechanism."""
-
-    def _directions(self) -> tuple[_curves.Direction, ...]: ...
-
-    def _gaussian_mu(self) -> float | None: ...
-
-
 # ----------------------------------------------------------------------- the pmf
 
 
@@ -93,7 +85,6 @@ class _Pmf:
         self.probs.setflags(write=False)
         self.inf = float(min(1.0, max(0.0, inf)))
         self._tails: tuple[np.ndarray, np.ndarray] | None = None
-        self._blocks: dict[int, np.ndarray] = {}
 
     @property
     def size(self) -> int:
@@ -123,16 +114,18 @@ class _Pmf:
         exponential per grid point (blocks are kept short enough not to overflow).
         """
         step = lam * self.d
-        block = int(max(1, min(64, 40.0 / abs(step)))) if step != 0 else 64
-        blocks = self._blocks.get(block)
-        if blocks is None:
-            p = self.probs
-            pad = (-p.size) % block
-            blocks = (np.concatenate([p, np.zeros(pad)]) if pad else p).reshape(-1, block)
-            self._blocks[block] = blocks
-        rows = blocks @ np.exp(step * np.arange(block))
+        block = 1 << int(max(0, min(6, math.log2(40.0 / abs(step))))) if step != 0 else 64
+        p = self.probs
+        rows = p.size // block
+        weights = np.exp(step * np.arange(block))
+        sums = p[: rows * block].reshape(rows, block) @ weights  # a view: no copy
+        offsets = step * block * np.arange(rows)
+        rest = p.size - rows * block
+        if rest:
+            sums = np.append(sums, p[rows * block :] @ weights[:rest])
+            offsets = np.append(offsets, step * block * rows)
         with np.errstate(divide="ignore"):
-            terms = np.log(rows) + step * block * np.arange(rows.size)
+            terms = np.log(sums) + offsets
         top = float(terms.max())
         if not math.isfinite(top):
             return top
@@ -430,7 +423,7 @@ def privacy_profile(components: tuple[tuple[Any, int], ...], discretization: flo
     return pld_of(components, discretization)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=8)
 def pld_of(components: tuple[tuple[Any, int], ...], discretization: float) -> PrivacyLossDistribution:
     """The discretised PLD of a composition (coarsening the grid if it would be too large).
 
@@ -444,7 +437,7 @@ def pld_of(components: tuple[tuple[Any, int], ...], discretization: float) -> Pr
             d *= max(2, math.ceil(exc.size / _MAX_GRID))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=128)
 def _single(leaf: Any, d: float) -> tuple[_Pmf, _Pmf | None]:
     directions = leaf._directions()
     remove = _discretize(directions[0], d)
