@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--epochs", type=float, default=20.0, help="expected passes over the data")
     parser.add_argument("--batch-size", type=int, default=64, help="expected batch size B")
     parser.add_argument("--clip", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--bands", type=int, nargs="+", default=[2, 4, 8, 16], help="candidate numbers of bands")
     parser.add_argument("--seeds", type=int, default=3)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[plan] BandMF   bands={r['bands']:<2d} nm={r['nm']:.3f}  noise on iterates nm*sqrt(loss)={r['score']:8.1f}{mark}")
     print(f"[plan] strategies optimised and calibrated in {time.perf_counter() - t0:.1f}s")
 
-    results: dict[str, list[float]] = {"dpsgd": [], "bandmf": []}
+    results: dict[str, list[float]] = {"dpsgd": [], "bandmf": [], "epsilon_dpsgd": [], "epsilon_bandmf": []}
     for seed in range(args.seeds):
         torch.manual_seed(seed)
         fmodel, params0 = make_functional(MLP())
@@ -168,10 +168,13 @@ def main(argv: list[str] | None = None) -> dict:
         acc_mf, eps_mf = train(args, fmodel, params0, train_set, test_set, 100 * seed, strategy=best["strategy"], rate=best["rate"], nm=best["nm"])
         results["dpsgd"].append(acc_sgd)
         results["bandmf"].append(acc_mf)
+        results["epsilon_dpsgd"].append(eps_sgd)
+        results["epsilon_bandmf"].append(eps_mf)
         print(f"[seed {seed}] DP-SGD {acc_sgd:.3f} (eps {eps_sgd:.3f})   BandMF(b={best['bands']}) {acc_mf:.3f} (eps {eps_mf:.3f})"
               f"   [{time.perf_counter() - t1:.1f}s]")
         sys.stdout.flush()
-    for name, vals in results.items():
+    for name in ("dpsgd", "bandmf"):
+        vals = results[name]
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
         print(f"test accuracy {name:7s}: {statistics.mean(vals):.3f} +- {sd:.3f} over {len(vals)} seeds")
     return results

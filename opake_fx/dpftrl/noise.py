@@ -161,7 +161,7 @@ def mf_gaussian_noise(
         if noise_multiplier == 0.0:
             return NoisedPytree(clipped.pytree, clipped.max_norm, noise_stddev=0.0), replace(state, step=t + 1, max_norm=mn)
         paths, leaves, spec = tree_flatten_with_paths(clipped.pytree)
-        like = [torch.empty(leaf.shape, dtype=buffer_dtype or leaf.dtype, device=leaf.device) for leaf in leaves]
+        like = _shapes_like(leaves, buffer_dtype)
         buffers = state.buffers
         if inverse.memory > 0 and not buffers:
             if t > 0:
@@ -225,13 +225,17 @@ def noise(
         if params is None or inverse.memory == 0 or noise_multiplier == 0.0:
             return state0
         _, leaves, _ = tree_flatten_with_paths(params)
-        like = [torch.empty(leaf.shape, dtype=buffer_dtype or leaf.dtype, device=leaf.device) for leaf in leaves]
-        return replace(state0, buffers=inverse.init(like))
+        return replace(state0, buffers=inverse.init(_shapes_like(leaves, buffer_dtype)))
 
     def update(x: Any, state: MfNoiseState, params: Any = None, **extra: Any) -> tuple[NoisedPytree, MfNoiseState]:
         return noise_fn(x, state)
 
     return Transform(init, update)
+
+
+def _shapes_like(leaves: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """Storage-free stand-ins with each leaf's shape, (buffer) dtype and device (for drawing noise)."""
+    return [torch.zeros((), dtype=dtype or leaf.dtype, device=leaf.device).expand(leaf.shape) for leaf in leaves]
 
 
 def _check_noise_multiplier(nm: Any) -> None:
