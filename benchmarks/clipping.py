@@ -180,9 +180,9 @@ def model_out(kind: str, out: torch.Tensor) -> torch.Tensor:
 # --- one step per variant -----------------------------------------------------------------
 
 
-def setup_step(workload: str, variant: str) -> Callable[[], None]:
+def setup_step(workload: str, variant: str, threads: int = THREADS) -> Callable[[], None]:
     """Builds model, data and optimiser for ``variant`` on ``workload``; returns the step."""
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(threads)
     warnings.filterwarnings("ignore")
     kind, batch = WORKLOADS[workload]
     model = build(kind)
@@ -261,11 +261,12 @@ def setup_step(workload: str, variant: str) -> Callable[[], None]:
 # --- driver ---------------------------------------------------------------------------------
 
 
-def run(workloads: list[str], variants: list[str], warmup: int, repeats: int, mem_steps: int, memory: bool) -> list[dict[str, Any]]:
+def run(workloads: list[str], variants: list[str], warmup: int, repeats: int, mem_steps: int, memory: bool,
+        threads: int = THREADS) -> list[dict[str, Any]]:
     rows = []
     for w in workloads:
         t0 = time.perf_counter()
-        steps = {v: setup_step(w, v) for v in variants}
+        steps = {v: setup_step(w, v, threads) for v in variants}
         timings = profiling.time_interleaved(steps, warmup=warmup, repeats=repeats)
         del steps
         base = timings["non-private"].median if "non-private" in timings else math.nan
@@ -273,8 +274,8 @@ def run(workloads: list[str], variants: list[str], warmup: int, repeats: int, me
         if memory:
             for v in variants:
                 r = profiling.peak_rss_in_subprocess(
-                    f"{Path(__file__).resolve()}:setup_step", {"workload": w, "variant": v}, steps=mem_steps,
-                    env={"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(THREADS)},
+                    f"{Path(__file__).resolve()}:setup_step", {"workload": w, "variant": v, "threads": threads},
+                    steps=mem_steps, env={"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(threads)},
                 )
                 mems[v] = r["delta"] / 2**20
         mem_base = mems.get("non-private", math.nan)
@@ -304,16 +305,18 @@ def main() -> None:
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--threads", type=int, default=THREADS, help=f"torch threads (default {THREADS})")
     args = ap.parse_args()
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(args.threads)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
     repeats = args.repeats if args.repeats is not None else (7 if args.quick else 25)
     workloads = [w for w in args.workloads.split(",") if w]
     variants = [v for v in args.variants.split(",") if v]
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     t0 = time.perf_counter()
-    rows = run(workloads, variants, warmup, repeats, mem_steps=2 if args.quick else 3, memory=not args.no_memory)
-    print(f"torch {torch.__version__}, {THREADS} threads, warmup {warmup}, repeats {repeats} (medians); "
+    rows = run(workloads, variants, warmup, repeats, mem_steps=2 if args.quick else 3, memory=not args.no_memory,
+               threads=args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, warmup {warmup}, repeats {repeats} (medians); "
           f"load average before {load}, after {os.getloadavg() if load else None}; {time.perf_counter() - t0:.0f}s\n")
     print(table(rows))
 
