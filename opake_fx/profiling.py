@@ -175,6 +175,7 @@ def peak_rss_in_subprocess(
     kwargs: Mapping[str, Any] | None = None,
     *,
     steps: int = 3,
+    warmup: int = 0,
     env: Mapping[str, str] | None = None,
     timeout: float = 600.0,
 ) -> dict[str, Any]:
@@ -182,9 +183,10 @@ def peak_rss_in_subprocess(
 
     The child imports ``target`` (``"package.module:function"`` or
     ``"path/to/file.py:function"``), calls ``function(**kwargs)`` to build everything
-    (model, data, optimizer) and get back a zero-argument ``step``, collects garbage,
-    records its RSS (``baseline``), resets the peak, calls ``step`` ``steps`` times and
-    records the peak. The growth ``peak - baseline`` is what the steps needed beyond the
+    (model, data, optimizer) and get back a zero-argument ``step``, calls it ``warmup``
+    times (one-off lazy initialisation: imports, caches), collects garbage, records its
+    RSS (``baseline``), resets the peak, calls ``step`` ``steps`` times and records the
+    peak. The growth ``peak - baseline`` is what the steps needed beyond the
     setup: activations, gradients, per-example buffers, optimizer temporaries. (Only
     memory the allocator returns to the OS shows up as freed; set
     ``MALLOC_MMAP_THRESHOLD_`` in ``env`` to make large buffers count exactly.)
@@ -195,7 +197,7 @@ def peak_rss_in_subprocess(
     """
     if ":" not in target:
         raise InputValueError(f"target must be 'module:function' or 'file.py:function'; got {target!r}.")
-    payload = json.dumps({"target": target, "kwargs": dict(kwargs or {}), "steps": int(steps)})
+    payload = json.dumps({"target": target, "kwargs": dict(kwargs or {}), "steps": int(steps), "warmup": int(warmup)})
     child_env = {**os.environ, **(env or {})}
     # The child sees the same import path as this process (an uninstalled checkout, a benchmark dir).
     inherited = [p for p in sys.path if p and os.path.isdir(p)]
@@ -234,6 +236,8 @@ if where.endswith(".py"):
 else:
     module = importlib.import_module(where)
 step = getattr(module, name)(**spec["kwargs"])
+for _ in range(spec["warmup"]):
+    step()
 gc.collect()
 baseline = profiling.current_rss()
 reset = profiling.reset_peak_rss()

@@ -87,3 +87,20 @@ def test_cuda_peak_memory_without_cuda() -> None:
         pytest.skip("CUDA present")
     with pytest.raises(OperationError):
         profiling.cuda_peak_memory(lambda: None)
+
+
+def test_subprocess_warmup_runs_before_the_baseline(tmp_path: Path) -> None:
+    # A one-off allocation kept by the first call is part of the baseline after a warm-up.
+    target = tmp_path / "once.py"
+    target.write_text(
+        "import torch\n"
+        "kept = []\n"
+        "def setup():\n"
+        "    def step():\n"
+        "        if not kept:\n"
+        "            kept.append(torch.ones(64 * 2**20 // 4))\n"
+        "    return step\n"
+    )
+    cold = profiling.peak_rss_in_subprocess(f"{target}:setup", steps=1)
+    warm = profiling.peak_rss_in_subprocess(f"{target}:setup", steps=1, warmup=1)
+    assert cold["delta"] >= 60 * 2**20 > warm["delta"]
