@@ -31,7 +31,7 @@ from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError, Op
 from opake_fx.pytree import tree_flatten_with_paths
 from opake_fx.random import RngKey, fold_in, tree_normal
 from opake_fx.transforms import Transform
-from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup
+from opake_fx.types import ClippedPytree, NoisedPytree
 
 __all__ = ["MfNoiseState", "mf_gaussian_noise", "noise"]
 
@@ -78,7 +78,8 @@ def mf_gaussian_noise(
 
     ``noise_fn(clipped, state)`` returns ``clipped + std * (C^{-1} Z)_t`` as a
     :class:`~opake_fx.types.NoisedPytree` whose ``noise_stddev`` is the per-coordinate std
-    of that step's noise (``std * ||C^{-1}[t, :]||``).
+    of that step's noise (``std * ||C^{-1}[t, :]||``). A per-group ``max_norm`` is noised
+    isotropically with its overall sensitivity ``max_norm.effective``.
 
     Args:
         strategy: the factorisation (e.g. ``band_mf_strategy(...)``).
@@ -257,8 +258,6 @@ def _check_input(x: Any, noise_multiplier: float) -> None:
             "mf_gaussian_noise expects a ClippedPytree (the output of clipped_grad or the clip stage); "
             f"got {type(x).__name__}. Clip first: noise on unclipped gradients has no privacy guarantee."
         )
-    if isinstance(x.max_norm, PerGroup) and noise_multiplier > 0:
-        pass  # isotropic: the effective (overall) sensitivity is used for every coordinate
     if noise_multiplier > 0 and not math.isfinite(x.sensitivity):
         raise NoiseInputError(
             f"mf_gaussian_noise got a ClippedPytree with max_norm={x.max_norm} (clipping_norm=inf): its sensitivity is "
