@@ -248,3 +248,15 @@ def test_factories_refuse_bad_arguments():
         dpftrl.matrix_workload(torch.ones(3, 3))
     with pytest.raises(InputValueError, match="built for n_steps=8"):
         dpftrl.bsr_strategy(8, 2).materialize(9)
+
+
+@pytest.mark.slow
+def test_strategies_at_1024_reach_their_known_losses():
+    """The n = 1024 configurations of benchmarks/mf.py (timings are printed there, not asserted)."""
+    toeplitz = dpftrl.band_mf_strategy(1024, 1024)
+    assert toeplitz.expected_error() == pytest.approx(9.3427, abs=1e-3)
+    assert dpftrl.blt_strategy(1024, 6).expected_error() <= 1.01 * toeplitz.expected_error()
+    dense = dpftrl.dense_strategy(1024)
+    assert dense.expected_error() == pytest.approx(8.7347, abs=1e-3)
+    banded = dpftrl.band_mf_strategy(1024, 16, structure="column_normalized")
+    assert banded.expected_error() <= dpftrl.band_mf_strategy(1024, 16).expected_error()
