@@ -16,10 +16,11 @@ clipping at C = 1, Gaussian noise with multiplier 1), SGD update.
 opake variants add noise with ``gaussian_noise`` and update their parameter tensors
 in place with one fused ``torch._foreach_add_`` (plain SGD, as ``torch.optim.SGD`` does). Times are medians over interleaved (round-robin)
 repeats, so load changes hit every variant alike; ratios are to ``non-private`` from the
-same run. Peak memory is the growth of the resident set during a few steps after one
-warm-up step (which absorbs one-off lazy initialisation: imports, caches), measured in a
-fresh process per variant (``opake_fx.profiling.peak_rss_in_subprocess``, with
-``MALLOC_MMAP_THRESHOLD_=65536`` so freed buffers leave the RSS).
+same run. Peak memory is the growth of the resident set during a few steps, measured
+from right after setup (so buffers a variant keeps between steps, like Opacus's
+``grad_sample``, count), in a fresh process per variant
+(``opake_fx.profiling.peak_rss_in_subprocess``, with ``MALLOC_MMAP_THRESHOLD_=65536`` so
+freed buffers leave the RSS).
 
 Workloads (2 CPU threads):
 
@@ -276,7 +277,7 @@ def run(workloads: list[str], variants: list[str], warmup: int, repeats: int, me
             for v in variants:
                 r = profiling.peak_rss_in_subprocess(
                     f"{Path(__file__).resolve()}:setup_step", {"workload": w, "variant": v, "threads": threads},
-                    steps=mem_steps, warmup=1, env={"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(threads)},
+                    steps=mem_steps, env={"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(threads)},
                 )
                 mems[v] = r["delta"] / 2**20
         mem_base = mems.get("non-private", math.nan)
