@@ -69,6 +69,7 @@ def optimisation_times(n: int) -> None:
         ("BISR, bandwidth 16, optimised", lambda: dpftrl.bisr_strategy(n, 16, optimize=True)),
         ("lambda-CGD, lambda = 0.5", lambda: dpftrl.lambda_cgd_strategy(0.5, n)),
         ("dense (optimal, 1 epoch)", lambda: dpftrl.dense_strategy(n)),
+        ("dense (optimal, 4 fixed-order epochs)", lambda: dpftrl.dense_strategy(n, epochs=4)),
     ]
     for name, make in jobs:
         s, secs = _timed(make)

@@ -308,10 +308,12 @@ def balls_in_bins(
     if b > n:
         raise InputValueError(f"balls_in_bins: cycle_length={b} exceeds n_steps={n}: some bins would never be used.")
     noise_sens = strategy.sensitivity(n=n) if noise_sensitivity is None else _positive(noise_sensitivity, "noise_sensitivity", "balls_in_bins")
+    if b == 1:
+        # Every example in every step: the Gaussian mechanism with the all-steps sensitivity
+        # (||C 1|| when C^T C >= 0, an upper bound otherwise).
+        return _dpsgd.gaussian(nm * noise_sens / strategy.sensitivity(1, None, n=n))
     c = strategy.materialize(n)
     gram = _bin_gram(c, b)
-    if b == 1:
-        return _dpsgd.gaussian(nm * noise_sens / math.sqrt(float(gram[0, 0])))
     _check_nonnegative_gram(c, "balls_in_bins")
     spec = (b, tuple(gram.reshape(-1).tolist()))
     return MonteCarloProcess("balls_in_bins", spec, nm * noise_sens, _samples(num_samples), _key_words(key, "balls_in_bins"), _confidence(confidence))
