@@ -19,13 +19,13 @@ non-increasing in eps, that eps is wrong only if the bound fails at one fixed ep
 
 Loss of one draw (``ell_i = <C^T y, e_i> / s^2 - ||C e_i||^2 / (2 s^2)``):
 
-* balls-in-bins with cycle ``b`` (Chua et al. 2024; Choquette-Choo et al. 2025): the
+* balls-in-bins with cycle ``b`` (Chua et al. 2024, arXiv:2410.06266 and arXiv:2412.16802): the
   example sits in bin ``J`` (uniform) and participates at ``J, J + b, ...``;
   ``L = log mean_j exp(v_j / s^2 - G_jj / (2 s^2))`` with ``v_j = <y, C u_j>`` and
   ``G = U^T C^T C U`` (``U`` the bin indicators). Only the ``b``-vector ``v`` matters:
   ``v ~ N(G e_J, s^2 G)`` under ``P_J`` and ``N(0, s^2 G)`` under ``Q``.
-* b-min-sep with rate ``p`` (Choquette-Choo et al. 2025, "Near-exact privacy for
-  b-min-sep sampling"): an available example participates with probability ``p`` and
+* b-min-sep with rate ``p`` (the b-min-sep analysis of DP-BandMF, arXiv:2602.09338):
+  an available example participates with probability ``p`` and
   then rests ``b - 1`` steps. With ``bands <= b`` the columns of two participations are
   orthogonal, and ``L`` is a backward recursion over steps:
   ``F_i = log((1 - p) e^{F_{i+1}} + p e^{ell_i + F_{i+b}})``, ``F_{>= n} = 0``, ``L = F_0``

@@ -94,8 +94,8 @@ def materialize(c: torch.Tensor, n: int) -> torch.Tensor:
 def minsep_sensitivity_squared(c: torch.Tensor, n: int, min_sep: int, max_participations: int | None) -> torch.Tensor:
     """Squared sensitivity of the Toeplitz matrix ``T(c)`` under b-min-sep participation.
 
-    Exact when ``c`` is non-negative and non-increasing (McMahan, Xu and Zhang 2024,
-    "A hassle-free algorithm for private learning in practice", Thm. 2): the worst case
+    Exact when ``c`` is non-negative and non-increasing (McMahan et al. 2024,
+    arXiv:2405.13763, Thm. 2): the worst case
     is ``k`` participations at steps ``0, b, 2b, ...``, whose contributions are aligned.
     The caller must check the assumption (or pass :func:`nonincreasing_majorant`'s
     output for an upper bound).

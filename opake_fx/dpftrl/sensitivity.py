@@ -15,7 +15,7 @@ apart (``b = 1`` allows consecutive steps). Three cases:
   the squared sensitivity is the largest sum of ``k`` squared column norms at
   separation ``>= b`` (a dynamic program) — **exact**;
 * ``C`` lower-triangular Toeplitz with non-negative, non-increasing coefficients: the
-  worst case is ``k`` participations at ``0, b, 2b, ...`` (McMahan et al. 2024, Thm. 2)
+  worst case is ``k`` participations at ``0, b, 2b, ...`` (McMahan et al. 2024, arXiv:2405.13763, Thm. 2)
   — **exact**; other Toeplitz coefficients use their non-increasing majorant — an
   upper bound;
 * anything else: ``max_pi sum_{i in pi} max_{pi'} sum_{j in pi'} |X[i, j]|``

@@ -127,8 +127,8 @@ class BandedSolve(StreamingInverse):
 class BltSolve(StreamingInverse):
     """Buffered linear Toeplitz ``C`` (``C[t, t] = 1``, ``C[t, s] = sum_j w_j theta_j^(t-s-1)``).
 
-    Solves ``C x = z`` with one buffer per ``theta_j`` (Dvijotham et al. 2024, Alg. 3 of
-    McMahan et al. 2024): ``x_t = z_t - sum_j w_j u_j``, then ``u_j <- theta_j u_j + x_t``.
+    Solves ``C x = z`` with one buffer per ``theta_j`` (Dvijotham et al. 2024; Alg. 3 of
+    arXiv:2408.08868): ``x_t = z_t - sum_j w_j u_j``, then ``u_j <- theta_j u_j + x_t``.
     """
 
     def __init__(self, buf_decay: np.ndarray, output_scale: np.ndarray) -> None:

@@ -1,4 +1,4 @@
-"""Buffered linear Toeplitz (BLT) strategies (Dvijotham et al. 2024; McMahan et al. 2024).
+"""Buffered linear Toeplitz (BLT) strategies (Dvijotham et al. 2024, arXiv:2404.16706; arXiv:2408.08868).
 
 A BLT ``C`` is lower-triangular Toeplitz with ``C[t, t] = 1`` and
 ``C[t, s] = sum_j w_j theta_j^(t-s-1)`` for ``s < t`` (``theta``: buffer decays,
@@ -9,7 +9,7 @@ the horizon, against O(bands) for BandMF and O(n) for dense strategies.
 :func:`blt_strategy` optimises ``(theta, w)`` for the mean or max error under b-min-sep
 participation, parameterised so that ``0 < theta_j < 1``, ``w_j > 0`` and
 ``sum_j w_j < 1``: the Toeplitz coefficients are then positive and decreasing, so the
-min-sep sensitivity in the objective is exact (McMahan et al. 2024, Thm. 2).
+min-sep sensitivity in the objective is exact (McMahan et al. 2024, arXiv:2405.13763, Thm. 2).
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def blt_strategy(
     """An optimised BLT for ``n_steps`` steps under b-min-sep participation.
 
     Optimises BLTs with 1, 2, ... buffers (L-BFGS, float64) and stops adding buffers
-    when one more improves the loss by less than a factor ``rtol`` (as McMahan et al.
-    2024 recommend; 3 to 6 buffers are typical).
+    when one more improves the loss by less than a factor ``rtol`` (3 to 6 buffers are
+    typical).
 
     Args:
         n_steps: ``n``.
