@@ -32,6 +32,7 @@ from opake_fx.pytree import tree_flatten_with_paths
 from opake_fx.random import RngKey, fold_in, tree_normal
 from opake_fx.transforms import Transform
 from opake_fx.types import ClippedPytree, NoisedPytree
+from opake_fx.typing import typechecked
 
 __all__ = ["MfNoiseState", "mf_gaussian_noise", "noise"]
 
@@ -61,6 +62,7 @@ class MfNoiseState:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
 
+@typechecked
 def mf_gaussian_noise(
     strategy: Strategy,
     *,
@@ -184,6 +186,7 @@ def mf_gaussian_noise(
     return noise_fn, MfNoiseState(key=key)
 
 
+@typechecked
 def noise(
     strategy: Strategy,
     *,
