@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import optree
 import torch
 
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 _MASK = 0xFFFFFFFF
+_SCALAR_SPLIT_MAX = 32  # below this many children, Python-int Threefry beats numpy's per-op overhead
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 
@@ -144,9 +146,10 @@ def split(k: KeyLike, num: int = 2) -> Any:
     if num < 1:
         raise InputValueError(f"split needs num >= 1; got {num}.")
     if isinstance(k, RngKey):
-        counters = torch.arange(num, dtype=torch.int64)
-        y0, y1 = _hash_counters(k.to_tensor(), counters)
-        return tuple(RngKey((int(a), int(b))) for a, b in zip(y0.tolist(), y1.tolist()))
+        if num <= _SCALAR_SPLIT_MAX:
+            return tuple(RngKey(_threefry_scalar(k.words, i >> 32, i & _MASK)) for i in range(num))
+        y0, y1 = _threefry_np(np.array([k.words], dtype=np.uint32), *_np_counters(num))
+        return tuple(RngKey((a, b)) for a, b in zip(y0[0].tolist(), y1[0].tolist()))
     kt = _check_key_tensor(k)
     counters = torch.arange(num, dtype=torch.int64, device=kt.device)
     y0, y1 = _hash_counters(kt, counters)
@@ -168,8 +171,7 @@ def fold_in(k: KeyLike, data: int | torch.Tensor) -> Any:
             data = int(data)
         if isinstance(data, bool) or not isinstance(data, int):
             raise InputTypeError(f"fold_in needs an int; got {type(data).__name__}.")
-        y0, y1 = _threefry(k.to_tensor(), torch.tensor(0), torch.tensor(data & _MASK))
-        return RngKey((int(y0), int(y1)))
+        return RngKey(_threefry_scalar(k.words, 0, data & _MASK))
     kt = _check_key_tensor(k)
     d = torch.as_tensor(data, dtype=torch.int64, device=kt.device) & _MASK
     y0, y1 = _threefry(kt, torch.zeros_like(d), d)
@@ -191,10 +193,14 @@ def bits(k: KeyLike, shape: Sequence[int] = (), dtype: torch.dtype = torch.int64
     """
     shape = tuple(int(s) for s in shape)
     n = math.prod(shape)
-    kt = k.to_tensor() if isinstance(k, RngKey) else _check_key_tensor(k)
-    counters = torch.arange(n, dtype=torch.int64, device=kt.device)
-    y0, y1 = _hash_counters(kt, counters)
-    out = (y0 ^ y1).reshape((*kt.shape[:-1], *shape))
+    if isinstance(k, RngKey):
+        y0, y1 = _threefry_np(np.array([k.words], dtype=np.uint32), *_np_counters(n))
+        out = torch.from_numpy((y0[0] ^ y1[0]).astype(np.int64)).reshape(shape)
+    else:
+        kt = _check_key_tensor(k)
+        counters = torch.arange(n, dtype=torch.int64, device=kt.device)
+        y0, y1 = _hash_counters(kt, counters)
+        out = (y0 ^ y1).reshape((*kt.shape[:-1], *shape))
     if dtype == torch.int64:
         return out
     if dtype == torch.uint32:
@@ -331,6 +337,46 @@ def _threefry(kt: torch.Tensor, x0: torch.Tensor, x1: torch.Tensor) -> tuple[tor
     return x0, x1
 
 
+def _threefry_scalar(words: tuple[int, int], x0: int, x1: int) -> tuple[int, int]:
+    """Threefry-2x32 of one block on Python ints (no tensor overhead: ~10 us)."""
+    k0, k1 = words
+    ks = (k0, k1, k0 ^ k1 ^ 0x1BD11BDA)
+    x0 = (x0 + k0) & _MASK
+    x1 = (x1 + k1) & _MASK
+    for group in range(1, 6):
+        for r in _ROTATIONS[(group - 1) % 2]:
+            x0 = (x0 + x1) & _MASK
+            x1 = (((x1 << r) & _MASK) | (x1 >> (32 - r))) ^ x0
+        x0 = (x0 + ks[group % 3]) & _MASK
+        x1 = (x1 + ks[(group + 1) % 3] + group) & _MASK
+    return x0, x1
+
+
+def _np_counters(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """64-bit counters 0..n-1 as (hi, lo) uint32 words, shaped (1, n)."""
+    c = np.arange(n, dtype=np.uint64)
+    return (c >> np.uint64(32)).astype(np.uint32)[None, :], (c & np.uint64(_MASK)).astype(np.uint32)[None, :]
+
+
+def _threefry_np(keys: np.ndarray, x0: np.ndarray, x1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Threefry-2x32 on uint32 numpy arrays: keys (m, 2) against counters (1, n) -> (m, n).
+
+    uint32 array arithmetic wraps modulo 2**32, which is exactly Threefry's; the same
+    numbers as :func:`_threefry` with a fraction of its per-operation overhead.
+    """
+    k0, k1 = keys[:, :1], keys[:, 1:]
+    ks = (k0, k1, k0 ^ k1 ^ np.uint32(0x1BD11BDA))
+    x0 = x0 + k0
+    x1 = x1 + k1
+    for group in range(1, 6):
+        for r in _ROTATIONS[(group - 1) % 2]:
+            x0 = x0 + x1
+            x1 = ((x1 << np.uint32(r)) | (x1 >> np.uint32(32 - r))) ^ x0
+        x0 = x0 + ks[group % 3]
+        x1 = x1 + ks[(group + 1) % 3] + np.uint32(group)
+    return x0, x1
+
+
 def _hash_counters(kt: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Hashes 64-bit counters (partitionable layout: x0 = hi word, x1 = lo word)."""
     return _threefry(kt.unsqueeze(-2), counters >> 32, counters & _MASK)
@@ -351,24 +397,23 @@ _MT_WORDS = 624
 def _keyed_generators(keys: list[RngKey], devices: list[torch.device]) -> list[torch.Generator]:
     """One torch.Generator per (key, device) whose whole state is derived from the key.
 
-    CUDA (Philox) generators take a full 64-bit seed. The CPU generator (mt19937) keeps
-    only the low 32 bits of a seed, so seeding it would let distinct keys collide after
-    ~2**16 draws (identical noise on two steps cancels in their difference). Instead its
-    624-word state is filled with Threefry words of the key. The hashing is batched over
-    all keys (one Threefry pass for a whole gradient tree).
+    Each key is first hashed to a 64-bit value ``fold_in(key, _GENERATOR_DOMAIN)``.
+    CUDA (Philox) generators take that full 64-bit seed. The CPU generator (mt19937)
+    keeps only the low 32 bits of a seed, so seeding it would let distinct keys collide
+    after ~2**16 draws (identical noise on two steps cancels in their difference).
+    Instead its 624-word state is filled with the output of a counter-based Philox-4x64
+    stream (numpy's ``Philox``, whose bit stream numpy keeps stable across versions)
+    keyed by the 64-bit hash: ~15 us per generator.
     """
-    derived = fold_in(key_data(keys).reshape(-1, 2), _GENERATOR_DOMAIN)  # [n, 2]
-    cpu_rows = [i for i, d in enumerate(devices) if d.type == "cpu"]
-    words = bits(derived[cpu_rows], (_MT_WORDS,)) if cpu_rows else None  # [n_cpu, 624]
-    cpu_index = {row: j for j, row in enumerate(cpu_rows)}
     gens = []
-    for i, device in enumerate(devices):
+    for k, device in zip(keys, devices):
+        hi, lo = _threefry_scalar(k.words, 0, _GENERATOR_DOMAIN)
+        seed = (hi << 32) | lo
         if device.type == "cpu":
-            gens.append(_cpu_state_generator(words[cpu_index[i]]))  # type: ignore[index]
+            gens.append(_cpu_state_generator(seed))
         else:
-            hi, lo = (int(w) for w in derived[i])
             gen = torch.Generator(device=device)
-            gen.manual_seed(((hi << 32) | lo) & (2**63 - 1))
+            gen.manual_seed(seed & (2**63 - 1))
             gens.append(gen)
     return gens
 
@@ -379,21 +424,31 @@ def _keyed_generators(keys: list[RngKey], devices: list[torch.device]) -> list[t
 # next_float_normal_sample f32 @5048, is_next_float_normal_sample_valid bool @5052.
 _STATE_BYTES = 5056
 _LEFT, _SEEDED, _STATE, _STATE_END, _NORMAL_VALID, _FLOAT_NORMAL_VALID = 8, 12, 24, 24 + 8 * _MT_WORDS, 5040, 5052
+_state_template: np.ndarray | None = None
 
 
-def _cpu_state_generator(words: torch.Tensor) -> torch.Generator:
+def _cpu_state_template() -> np.ndarray:
+    global _state_template
+    if _state_template is None:
+        state = torch.Generator().get_state().numpy().copy()
+        if state.size != _STATE_BYTES:
+            raise RuntimeError(
+                f"opake_fx.random: this torch's CPU generator state has {state.size} bytes, not {_STATE_BYTES}; "
+                "the keyed fast normal path does not know its layout. Use normal(..., exact=True) and report "
+                "the torch version."
+            )
+        state[_LEFT : _LEFT + 4].view(np.int32)[0] = 1  # twist the new state on the first draw
+        state[_SEEDED : _SEEDED + 4].view(np.int32)[0] = 1
+        state[_NORMAL_VALID : _NORMAL_VALID + 4].view(np.int32)[0] = 0  # no cached normals
+        state[_FLOAT_NORMAL_VALID] = 0
+        _state_template = state
+    return _state_template
+
+
+def _cpu_state_generator(seed: int) -> torch.Generator:
+    words = np.random.Philox(key=np.array([seed, _GENERATOR_DOMAIN], dtype=np.uint64)).random_raw(_MT_WORDS // 2)
+    state = _cpu_state_template().copy()
+    state[_STATE:_STATE_END].view(np.int64)[:] = words.view(np.uint32).astype(np.int64)
     gen = torch.Generator()
-    state = gen.get_state().clone()
-    if state.numel() != _STATE_BYTES:
-        raise RuntimeError(
-            f"opake_fx.random: this torch's CPU generator state has {state.numel()} bytes, not {_STATE_BYTES}; "
-            "the keyed fast normal path does not know its layout. Use normal(..., exact=True) and report "
-            "the torch version."
-        )
-    state[_STATE:_STATE_END].view(torch.int64).copy_(words)
-    state[_LEFT : _LEFT + 4].view(torch.int32).fill_(1)  # twist the new state on the first draw
-    state[_SEEDED : _SEEDED + 4].view(torch.int32).fill_(1)
-    state[_NORMAL_VALID : _NORMAL_VALID + 4].view(torch.int32).fill_(0)  # drop cached normals
-    state[_FLOAT_NORMAL_VALID] = 0
-    gen.set_state(state)
+    gen.set_state(torch.from_numpy(state))
     return gen

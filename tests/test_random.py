@@ -155,18 +155,24 @@ def test_uniform_range_and_dtype():
     assert float(u.min()) >= -2.0 and float(u.max()) < 3.0
 
 
-def test_fast_normal_uses_the_whole_generator_state():
-    # The CPU generator keeps only 32 bits of a seed; we fill its 624-word state from the key
-    # instead, so keys cannot collide. A one-word change of the state must change the stream.
+def test_fast_normal_uses_the_whole_64_bit_seed():
+    # The CPU generator keeps only 32 bits of a seed; we fill its 624-word state from a
+    # Philox stream keyed by the full 64-bit hash instead, so keys cannot collide. Seeds that
+    # differ in one bit, high word or low word, must give different streams.
     from opake_fx.random import _cpu_state_generator
 
-    words = bits(key(3), (624,))
-    other = words.clone()
-    other[600] ^= 1
-    a = torch.randn(2000, generator=_cpu_state_generator(words))
-    b = torch.randn(2000, generator=_cpu_state_generator(other))
-    assert torch.equal(a, torch.randn(2000, generator=_cpu_state_generator(words)))
-    assert not torch.equal(a, b)
+    seed = 0x0123456789ABCDEF
+    a = torch.randn(2000, generator=_cpu_state_generator(seed))
+    assert torch.equal(a, torch.randn(2000, generator=_cpu_state_generator(seed)))
+    for bit in (0, 31, 32, 63):
+        assert not torch.equal(a, torch.randn(2000, generator=_cpu_state_generator(seed ^ (1 << bit))))
+
+
+def test_fast_normal_is_standard_normal():
+    z = normal(key(11), (200_000,))
+    # mean and variance within 5 standard errors of a N(0, 1) sample of this size
+    assert abs(float(z.mean())) < 5 / 200_000**0.5
+    assert abs(float(z.var()) - 1) < 5 * (2 / 200_000) ** 0.5
 
 
 def test_seeds_sharing_low_32_bits_do_not_share_noise():
