@@ -191,3 +191,29 @@ def test_tree_normal_fast_path_equals_per_leaf_normal():
 
 def test_scalar_shapes():
     assert normal(key(0), ()).shape == () and bits(key(0), ()).shape == ()
+
+
+def test_flat_tree_normal_groups_by_dtype_and_is_deterministic():
+    from opake_fx.random import flat_tree_normal
+
+    leaves = [torch.zeros(3, 4), torch.zeros(5, dtype=torch.float64), torch.zeros(2)]
+    draws, buffers = flat_tree_normal(key(4), leaves)
+    assert [d.shape for d in draws] == [leaf.shape for leaf in leaves]
+    assert [d.dtype for d in draws] == [leaf.dtype for leaf in leaves]
+    assert sorted(b.numel() for b in buffers) == [5, 14]  # one buffer per dtype
+    again, _ = flat_tree_normal(key(4), leaves)
+    assert all(torch.equal(a, b) for a, b in zip(draws, again))
+    other, _ = flat_tree_normal(key(5), leaves)
+    assert not torch.equal(draws[0], other[0])
+    # leaves of one group take consecutive slices of the same draw
+    assert torch.equal(torch.cat([draws[0].flatten(), draws[2]]), [b for b in buffers if b.dtype == torch.float32][0])
+
+
+def test_flat_tree_normal_is_standard_normal():
+    from opake_fx.random import flat_tree_normal
+
+    draws, _ = flat_tree_normal(key(12), [torch.zeros(100_000), torch.zeros(100, 1000)])
+    z = torch.cat([d.flatten() for d in draws])
+    n = z.numel()
+    assert abs(float(z.mean())) < 5 / n**0.5
+    assert abs(float(z.var()) - 1) < 5 * (2 / n) ** 0.5

@@ -17,7 +17,7 @@ import torch
 from opake_fx.typing import typechecked
 from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError
 from opake_fx.pytree import tree_flatten_with_paths
-from opake_fx.random import RngKey, fold_in, tree_normal
+from opake_fx.random import RngKey, flat_tree_normal, fold_in, tree_normal
 from opake_fx.transforms import Transform
 from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup
 
@@ -98,12 +98,24 @@ def gaussian_noise(
         if noise_multiplier == 0.0:
             return NoisedPytree(clipped.pytree, clipped.max_norm, noise_stddev=std), new_state
         paths, leaves, spec = tree_flatten_with_paths(clipped.pytree)
-        draws = tree_normal(fold_in(state.key, state.step), leaves, exact=exact)
-        if isinstance(std, PerGroup):
-            noised_leaves = [torch.add(leaf, z, alpha=std.for_path(path)) for path, leaf, z in zip(paths, leaves, draws)]
+        step_key = fold_in(state.key, state.step)
+        stds = [std.for_path(p) for p in paths] if isinstance(std, PerGroup) else None
+        if exact:
+            draws = tree_normal(step_key, leaves, exact=True)
+            noised_leaves = [
+                torch.add(leaf, z, alpha=std if stds is None else stds[i]) for i, (leaf, z) in enumerate(zip(leaves, draws))
+            ]
         else:
-            # One fused multiply-add per leaf, all leaves in one call; inputs are not modified.
-            noised_leaves = list(torch._foreach_add(leaves, draws, alpha=std))
+            # One draw per device and dtype, scaled in one kernel, then one fused add per leaf:
+            # the outputs are views into the draw buffers (no extra parameter-sized temporaries).
+            noised_leaves, buffers = flat_tree_normal(step_key, leaves)
+            if stds is None:
+                for buf in buffers:
+                    buf.mul_(std)
+            elif noised_leaves:
+                torch._foreach_mul_(noised_leaves, stds)
+            if noised_leaves:
+                torch._foreach_add_(noised_leaves, leaves)
         noised = spec.unflatten(noised_leaves)
         return NoisedPytree(noised, clipped.max_norm, noise_stddev=std), new_state
 
