@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from opake_fx.random import fold_in, key, normal, tree_normal
+from opake_fx.random import flat_tree_normal, fold_in, key, normal, tree_normal
 
 
 def main() -> None:
@@ -29,6 +29,7 @@ def main() -> None:
         "torch.randn": lambda i: torch.randn(n),
         "opake_fx normal (fast)": lambda i: normal(fold_in(key(0), i), (n,)),
         "opake_fx tree_normal, 10 leaves": lambda i: tree_normal(fold_in(key(1), i), leaves),
+        "opake_fx flat_tree_normal, 10 leaves (noise stages)": lambda i: flat_tree_normal(fold_in(key(3), i), leaves),
         "opake_fx normal (exact, 1/100 size)": lambda i: normal(fold_in(key(2), i), (n // 100,), exact=True),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}

@@ -310,6 +310,10 @@ def flat_tree_normal(k: RngKey, leaves: Sequence[torch.Tensor]) -> tuple[list[to
     size from the generator of ``split(k, n_groups)[j]``, and each leaf gets the next
     ``numel`` values, reshaped. Deterministic per key, leaf shapes, dtypes and device
     types; not the same numbers as :func:`tree_normal` (which seeds a generator per leaf).
+    A CPU draw of more than 2**20 values is cut into 2**20-value chunks, chunk ``c`` drawn
+    by the generator of ``split(group_key, n_chunks)[c]``, and the chunks are drawn on
+    ``torch.get_num_threads()`` threads (torch's CPU ``randn`` is single-threaded); the
+    chunking depends only on the size, so the numbers do not depend on the thread count.
 
     Returns:
         ``(draws, buffers)``: ``draws[i]`` is shaped like ``leaves[i]`` and is a view
@@ -327,14 +331,42 @@ def flat_tree_normal(k: RngKey, leaves: Sequence[torch.Tensor]) -> tuple[list[to
     draws: list[torch.Tensor | None] = [None] * len(leaves)
     buffers = []
     subkeys = split(k, len(groups)) if groups else ()
-    gens = _keyed_generators(list(subkeys), [dev for dev, _ in groups])
-    for ((device, dtype), members), gen in zip(groups.items(), gens):
+    for ((device, dtype), members), gk in zip(groups.items(), subkeys):
         sizes = [leaves[i].numel() for i in members]
-        flat = torch.randn(sum(sizes), generator=gen, dtype=dtype, device=device)
+        flat = _keyed_randn(gk, sum(sizes), dtype, device)
         buffers.append(flat)
         for i, part in zip(members, torch.split(flat, sizes)):
             draws[i] = part.view(leaves[i].shape)
     return draws, buffers  # type: ignore[return-value]
+
+
+_CPU_CHUNK = 1 << 20
+_pool: Any = None
+_pool_size = 0
+
+
+def _keyed_randn(k: RngKey, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``n`` standard normals from key ``k``: one generator, or parallel chunks on the CPU."""
+    if device.type != "cpu" or n <= _CPU_CHUNK:
+        (gen,) = _keyed_generators([k], [device])
+        return torch.randn(n, generator=gen, dtype=dtype, device=device)
+    out = torch.empty(n, dtype=dtype)
+    chunks = torch.split(out, _CPU_CHUNK)
+    gens = _keyed_generators(list(split(k, len(chunks))), [device] * len(chunks))
+    workers = min(torch.get_num_threads(), len(chunks))
+    if workers <= 1:
+        for chunk, gen in zip(chunks, gens):
+            chunk.normal_(generator=gen)
+        return out
+    global _pool, _pool_size
+    if _pool is None or _pool_size != workers:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if _pool is not None:
+            _pool.shutdown(wait=False)
+        _pool, _pool_size = ThreadPoolExecutor(workers, thread_name_prefix="opake_fx-randn"), workers
+    list(_pool.map(lambda cg: cg[0].normal_(generator=cg[1]), zip(chunks, gens)))
+    return out
 
 
 # --- private helpers ---------------------------------------------------------------

@@ -217,3 +217,22 @@ def test_flat_tree_normal_is_standard_normal():
     n = z.numel()
     assert abs(float(z.mean())) < 5 / n**0.5
     assert abs(float(z.var()) - 1) < 5 * (2 / n) ** 0.5
+
+
+def test_flat_tree_normal_large_draws_do_not_depend_on_the_thread_count():
+    from opake_fx.random import flat_tree_normal
+
+    leaves = [torch.zeros(3 * 2**20 + 5)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        (one,), _ = flat_tree_normal(key(9), leaves)
+        torch.set_num_threads(2)
+        (two,), _ = flat_tree_normal(key(9), leaves)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    # chunks come from distinct keys: no two chunks repeat each other
+    assert not torch.equal(one[: 2**20], one[2**20 : 2**21])
+    n = one.numel()
+    assert abs(float(one.mean())) < 5 / n**0.5 and abs(float(one.var()) - 1) < 5 * (2 / n) ** 0.5
