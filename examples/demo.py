@@ -99,11 +99,17 @@ def train_private(args: argparse.Namespace, train: TensorDataset, test: TensorDa
         f"(epsilon={args.epsilon}, delta={args.delta}) (calibrated in {time.perf_counter() - t0:.2f}s)"
     )
 
-    def loss_fn(params, x, y):
-        return F.cross_entropy(fmodel(params, x.unsqueeze(0)), y.unsqueeze(0))
+    if args.clip_backend == "vmap":
+        def loss_fn(params, x, y):  # one example; vmapped over the batch
+            return F.cross_entropy(fmodel(params, x.unsqueeze(0)), y.unsqueeze(0))
+    else:
+        def loss_fn(params, x, y):  # the whole batch; per-example losses [B]
+            return F.cross_entropy(fmodel(params, x), y, reduction="none")
 
+    clip_stage = clip(loss_fn, clipping_norm=args.clip, batch_argnums=(1, 2), normalize_by=args.batch_size,
+                      clip_backend=args.clip_backend, model=None if args.clip_backend == "vmap" else fmodel)
     pipeline = named_chain(
-        ("clip", clip(loss_fn, clipping_norm=args.clip, batch_argnums=(1, 2), normalize_by=args.batch_size)),
+        ("clip", clip_stage),
         ("psum", psum()),
         ("noise", noise(noise_multiplier=nm, key=key(args.seed))),
         ("opt", sgd(args.lr, momentum=0.9)),
@@ -159,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clip", type=float, default=1.0, help="per-example clip norm")
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate (SGD, momentum 0.9)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clip-backend", choices=("auto", "ghost", "vmap"), default="auto",
+                        help="per-example clipping: norms from activations (auto/ghost) or vmap(grad)")
     args = parser.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -447,3 +447,27 @@ def test_huge_but_finite_gradients_are_clipped_not_zeroed(backend: str) -> None:
     torch.testing.assert_close(got_aux.grad_norms, want_aux.grad_norms, rtol=1e-5, atol=0)
     for a, b in zip(got.pytree, want.pytree):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_clip_stage_takes_the_fast_backend():
+    from opake_fx.dpsgd import clip
+    from opake_fx.functional import make_functional
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+    fmodel, params = make_functional(model)
+    x, y = torch.randn(9, 5), torch.randint(0, 2, (9,))
+
+    def one(p, xi, yi):
+        return torch.nn.functional.cross_entropy(fmodel(p, xi[None]), yi[None])
+
+    def batched(p, xb, yb):
+        return torch.nn.functional.cross_entropy(fmodel(p, xb), yb, reduction="none")
+
+    slow = clip(one, clipping_norm=0.1, batch_argnums=(1, 2))
+    fast = clip(batched, clipping_norm=0.1, batch_argnums=(1, 2), clip_backend="auto", model=fmodel)
+    a, _ = slow.update((x, y), slow.init(params), params)
+    b, _ = fast.update((x, y), fast.init(params), params)
+    assert a.max_norm == b.max_norm
+    for u, v in zip(a.pytree, b.pytree):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-7)

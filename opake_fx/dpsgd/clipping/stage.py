@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from torch import nn
+
+from opake_fx.dpsgd.clipping._ghost import ClipBackend
 from opake_fx.dpsgd.clipping.fixed import clipped_grad
+from opake_fx.functional import FunctionalModel
 from opake_fx.errors import InputValueError
 from opake_fx.transforms import Transform
 from opake_fx.types import ClippedPytree, PerGroup
@@ -19,12 +23,17 @@ def clip(
     normalize_by: float = 1.0,
     batch_argnums: int | Sequence[int] = 1,
     microbatch_size: int | None = None,
+    clip_backend: ClipBackend = "vmap",
+    model: FunctionalModel | nn.Module | None = None,
 ) -> Transform:
     """Per-example clipping as the first stage of a pipeline.
 
     ``update(batch, state, params)`` calls ``loss_fn(params, *batch)`` per example
     (``batch`` is a tuple filling positions ``batch_argnums``, which must be ``1..k``)
     and returns the :class:`~opake_fx.types.ClippedPytree` of :func:`clipped_grad`.
+    With ``clip_backend="ghost"`` or ``"auto"`` (and ``model=fmodel``), ``loss_fn`` takes
+    the whole batch and returns the per-example losses ``[B]``, and the norms come from
+    layer activations without per-example gradients (see :func:`clipped_grad`).
 
     Privacy: output sensitivity ``clipping_norm / normalize_by`` (add-or-remove-one).
 
@@ -48,6 +57,8 @@ def clip(
             normalize_by=normalize_by,
             batch_argnums=batch_argnums,
             microbatch_size=microbatch_size,
+            clip_backend=clip_backend,
+            model=model,
         ),
         batch_argnums=batch_argnums,
     )
