@@ -2,12 +2,15 @@
 
 The top level re-exports only the core verbs; everything else is imported from its
 topic (``opake_fx.dpsgd.clipping``, ``opake_fx.accounting``, ``opake_fx.distributed``...).
+
+The re-exports and the submodules are loaded on first access (PEP 562), so importing a
+torch-free part such as ``opake_fx.accounting`` or ``opake_fx.errors`` does not import
+torch.
 """
 
-from opake_fx.errors import OpakeError
-from opake_fx.random import RngKey, fold_in, key, split
-from opake_fx.transforms import Transform, apply_updates, chain, named_chain
-from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup
+import importlib as _importlib
+import pkgutil as _pkgutil
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 __version__ = "0.1.0"
 
@@ -25,3 +28,43 @@ __all__ = [
     "NoisedPytree",
     "PerGroup",
 ]
+
+# Each re-exported name and the module that defines it.
+_EXPORTS = {
+    "OpakeError": "opake_fx.errors",
+    "RngKey": "opake_fx.random",
+    "key": "opake_fx.random",
+    "split": "opake_fx.random",
+    "fold_in": "opake_fx.random",
+    "Transform": "opake_fx.transforms",
+    "chain": "opake_fx.transforms",
+    "named_chain": "opake_fx.transforms",
+    "apply_updates": "opake_fx.transforms",
+    "ClippedPytree": "opake_fx.types",
+    "NoisedPytree": "opake_fx.types",
+    "PerGroup": "opake_fx.types",
+}
+# Public submodules (opake_fx.random, opake_fx.dpsgd, ...), importable as attributes.
+_SUBMODULES = frozenset(m.name for m in _pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+if _TYPE_CHECKING:  # static analysers see the eager imports
+    from opake_fx.errors import OpakeError
+    from opake_fx.random import RngKey, fold_in, key, split
+    from opake_fx.transforms import Transform, apply_updates, chain, named_chain
+    from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is not None:
+        value = getattr(_importlib.import_module(module), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
+    if name in _SUBMODULES:
+        return _importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    public = {n for n in globals() if not n.startswith("_") or (n.startswith("__") and n.endswith("__"))}
+    return sorted(public | set(__all__) | _SUBMODULES)
