@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
+from opake_fx._noise_input import check_clipped_input, check_noise_multiplier
 from opake_fx.dpftrl.strategies._base import Strategy
 from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError, OperationError
 from opake_fx.pytree import tree_flatten_with_paths
-from opake_fx.random import RngKey, fold_in, tree_normal
+from opake_fx.random import RngKey, flat_tree_normal, fold_in, tree_normal
 from opake_fx.transforms import Transform
 from opake_fx.types import ClippedPytree, NoisedPytree
 from opake_fx.typing import typechecked
@@ -123,7 +124,7 @@ def mf_gaussian_noise(
         raise InputTypeError(
             f"mf_gaussian_noise needs a Strategy (e.g. opake_fx.dpftrl.band_mf_strategy(...)); got {type(strategy).__name__}."
         )
-    _check_noise_multiplier(noise_multiplier)
+    check_noise_multiplier(noise_multiplier, calibrate_with="opake_fx.accounting.calibrate and opake_fx.dpftrl.accounting")
     if not isinstance(key, RngKey):
         raise InputTypeError(
             f"mf_gaussian_noise needs key=opake_fx.random.key(seed); got {type(key).__name__}. Use the same key on "
@@ -145,7 +146,7 @@ def mf_gaussian_noise(
     row_norms: list[torch.Tensor] = []
 
     def noise_fn(clipped: ClippedPytree, state: MfNoiseState) -> tuple[NoisedPytree, MfNoiseState]:
-        _check_input(clipped, noise_multiplier)
+        check_clipped_input(clipped, noise_multiplier, mechanism="mf_gaussian_noise")
         if not isinstance(state, MfNoiseState):
             raise InputTypeError(f"noise_fn needs the MfNoiseState it returned; got {type(state).__name__}.")
         t = state.step
@@ -174,7 +175,9 @@ def mf_gaussian_noise(
             buffers = inverse.init(like)
 
         def draw(s: int) -> list[torch.Tensor]:
-            return list(tree_normal(fold_in(state.key, s), like, exact=exact))
+            if exact:
+                return list(tree_normal(fold_in(state.key, s), like, exact=True))
+            return flat_tree_normal(fold_in(state.key, s), like)[0]  # one generator per device/dtype
 
         x, new_buffers = inverse.next(t, draw, buffers, inplace=inplace)
         noised = spec.unflatten([leaf + (std * xi).to(leaf.dtype) for leaf, xi in zip(leaves, x)])
@@ -240,29 +243,3 @@ def noise(
 def _shapes_like(leaves: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
     """Storage-free stand-ins with each leaf's shape, (buffer) dtype and device (for drawing noise)."""
     return [torch.zeros((), dtype=dtype or leaf.dtype, device=leaf.device).expand(leaf.shape) for leaf in leaves]
-
-
-def _check_noise_multiplier(nm: Any) -> None:
-    if isinstance(nm, bool) or not isinstance(nm, (int, float)) or math.isnan(nm) or nm < 0 or math.isinf(nm):
-        raise InputValueError(
-            f"noise_multiplier must be a finite number >= 0; got {nm!r}. Calibrate it for a target epsilon with "
-            "opake_fx.accounting.calibrate and opake_fx.dpftrl.accounting."
-        )
-
-
-def _check_input(x: Any, noise_multiplier: float) -> None:
-    if isinstance(x, NoisedPytree):
-        raise NoiseInputError(
-            "mf_gaussian_noise got a NoisedPytree: this gradient is already noised. Add noise once, after the "
-            "clipped gradients are aggregated across ranks."
-        )
-    if not isinstance(x, ClippedPytree):
-        raise NoiseInputError(
-            "mf_gaussian_noise expects a ClippedPytree (the output of clipped_grad or the clip stage); "
-            f"got {type(x).__name__}. Clip first: noise on unclipped gradients has no privacy guarantee."
-        )
-    if noise_multiplier > 0 and not math.isfinite(x.sensitivity):
-        raise NoiseInputError(
-            f"mf_gaussian_noise got a ClippedPytree with max_norm={x.max_norm} (clipping_norm=inf): its sensitivity is "
-            "unbounded, so no amount of noise makes it private. Set a finite clipping_norm, or noise_multiplier=0."
-        )

@@ -14,8 +14,9 @@ from typing import Any, Literal
 
 import torch
 
+from opake_fx._noise_input import check_clipped_input, check_noise_multiplier
 from opake_fx.typing import typechecked
-from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError
+from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import tree_flatten_with_paths
 from opake_fx.random import RngKey, flat_tree_normal, fold_in, tree_normal
 from opake_fx.transforms import Transform
@@ -78,7 +79,7 @@ def gaussian_noise(
         >>> out.noise_stddev, s.step
         (0.5, 1)
     """
-    _check_noise_multiplier(noise_multiplier)
+    check_noise_multiplier(noise_multiplier)
     if not isinstance(key, RngKey):
         raise InputTypeError(
             f"gaussian_noise needs key=opake_fx.random.key(seed); got {type(key).__name__}. "
@@ -88,7 +89,7 @@ def gaussian_noise(
         raise InputValueError(f"allocation must be 'optimal' or 'isotropic'; got {allocation!r}.")
 
     def noise_fn(clipped: ClippedPytree, state: GaussianNoiseState) -> tuple[NoisedPytree, GaussianNoiseState]:
-        _check_input(clipped, noise_multiplier)
+        check_clipped_input(clipped, noise_multiplier, mechanism="gaussian_noise")
         if not isinstance(state, GaussianNoiseState):
             raise InputTypeError(
                 f"noise_fn needs the GaussianNoiseState it returned; got {type(state).__name__}."
@@ -154,30 +155,3 @@ def noise_stddev_for(max_norm: float | PerGroup, noise_multiplier: float, alloca
     if noise_multiplier == 0.0:
         return 0.0
     return noise_multiplier * float(max_norm)
-
-
-def _check_noise_multiplier(nm: Any) -> None:
-    if isinstance(nm, bool) or not isinstance(nm, (int, float)) or math.isnan(nm) or nm < 0 or math.isinf(nm):
-        raise InputValueError(
-            f"noise_multiplier must be a finite number >= 0; got {nm!r}. Calibrate it for a target epsilon "
-            "with opake_fx.accounting.calibrate."
-        )
-
-
-def _check_input(x: Any, noise_multiplier: float) -> None:
-    if isinstance(x, NoisedPytree):
-        raise NoiseInputError(
-            "gaussian_noise got a NoisedPytree: this gradient is already noised. Add noise once, after the "
-            "clipped gradients are aggregated across ranks."
-        )
-    if not isinstance(x, ClippedPytree):
-        raise NoiseInputError(
-            "gaussian_noise expects a ClippedPytree (the output of clipped_grad or the clip stage); "
-            f"got {type(x).__name__}. Clip first: noise on unclipped gradients has no privacy guarantee."
-        )
-    if noise_multiplier > 0 and not math.isfinite(x.sensitivity):
-        raise NoiseInputError(
-            f"gaussian_noise got a ClippedPytree with max_norm={x.max_norm} (clipping_norm=inf): its sensitivity "
-            "is unbounded, so no amount of noise makes it private. Set a finite clipping_norm, or "
-            "noise_multiplier=0 for a non-private run."
-        )

@@ -12,7 +12,7 @@ from opake_fx import dpftrl
 from opake_fx.dpsgd.noise import gaussian_noise
 from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError, OperationError
 from opake_fx.optimizers import sgd
-from opake_fx.random import fold_in, key, tree_normal
+from opake_fx.random import flat_tree_normal, fold_in, key
 from opake_fx.serialization import from_state_dict, state_dict
 from opake_fx.transforms import named_chain, stateless
 from opake_fx.types import ClippedPytree, NoisedPytree
@@ -37,8 +37,8 @@ def _dense_reference(strategy, steps, dtype=torch.float32):
     like = _leaves(dtype)
     z = []
     for t in range(steps):
-        draw = tree_normal(fold_in(key(7), t), like)
-        z.append(torch.cat([draw["b"].reshape(-1), draw["w"].reshape(-1)]).double())
+        b, w = flat_tree_normal(fold_in(key(7), t), [like["b"], like["w"]])[0]  # the stage's draw, leaves in tree order
+        z.append(torch.cat([b.reshape(-1), w.reshape(-1)]).double())
     return strategy.materialize_inverse()[:steps, :steps] @ torch.stack(z)
 
 
