@@ -222,7 +222,7 @@ def test_flat_tree_normal_is_standard_normal():
 def test_flat_tree_normal_large_draws_do_not_depend_on_the_thread_count():
     from opake_fx.random import flat_tree_normal
 
-    leaves = [torch.zeros(3 * 2**20 + 5)]
+    leaves = [torch.zeros(4 * 2**20 + 5)]
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
