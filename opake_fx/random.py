@@ -148,8 +148,8 @@ def split(k: KeyLike, num: int = 2) -> Any:
         raise InputValueError(f"split needs num >= 1; got {num}.")
     if isinstance(k, RngKey):
         if num <= _SCALAR_SPLIT_MAX:
-            return tuple(RngKey(_threefry_scalar(k.words, i >> 32, i & _MASK)) for i in range(num))
-        y0, y1 = _threefry_np(np.array([k.words], dtype=np.uint32), *_np_counters(num))
+            return tuple(RngKey(_threefry(*k.words, i >> 32, i & _MASK)) for i in range(num))
+        y0, y1 = _threefry(*_np_key(k), *_np_counters(num))
         return tuple(RngKey((a, b)) for a, b in zip(y0[0].tolist(), y1[0].tolist()))
     kt = _check_key_tensor(k)
     counters = torch.arange(num, dtype=torch.int64, device=kt.device)
@@ -172,10 +172,10 @@ def fold_in(k: KeyLike, data: int | torch.Tensor) -> Any:
             data = int(data)
         if isinstance(data, bool) or not isinstance(data, int):
             raise InputTypeError(f"fold_in needs an int; got {type(data).__name__}.")
-        return RngKey(_threefry_scalar(k.words, 0, data & _MASK))
+        return RngKey(_threefry(*k.words, 0, data & _MASK))
     kt = _check_key_tensor(k)
     d = torch.as_tensor(data, dtype=torch.int64, device=kt.device) & _MASK
-    y0, y1 = _threefry(kt, torch.zeros_like(d), d)
+    y0, y1 = _threefry(kt[..., 0], kt[..., 1], torch.zeros_like(d), d)
     return torch.stack((y0, y1), dim=-1)
 
 
@@ -195,7 +195,7 @@ def bits(k: KeyLike, shape: Sequence[int] = (), dtype: torch.dtype = torch.int64
     shape = tuple(int(s) for s in shape)
     n = math.prod(shape)
     if isinstance(k, RngKey):
-        y0, y1 = _threefry_np(np.array([k.words], dtype=np.uint32), *_np_counters(n))
+        y0, y1 = _threefry(*_np_key(k), *_np_counters(n))
         out = torch.from_numpy((y0[0] ^ y1[0]).astype(np.int64)).reshape(shape)
     else:
         kt = _check_key_tensor(k)
@@ -394,24 +394,12 @@ def _rotl(x: torch.Tensor, r: int) -> torch.Tensor:
     return ((x << r) & _MASK) | (x >> (32 - r))
 
 
-def _threefry(kt: torch.Tensor, x0: torch.Tensor, x1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Threefry-2x32, 20 rounds, on int64 tensors holding uint32 values (broadcasting)."""
-    k0, k1 = kt[..., 0], kt[..., 1]
-    ks = (k0, k1, k0 ^ k1 ^ 0x1BD11BDA)
-    x0 = (x0 + ks[0]) & _MASK
-    x1 = (x1 + ks[1]) & _MASK
-    for group in range(1, 6):
-        for r in _ROTATIONS[(group - 1) % 2]:
-            x0 = (x0 + x1) & _MASK
-            x1 = _rotl(x1, r) ^ x0
-        x0 = (x0 + ks[group % 3]) & _MASK
-        x1 = (x1 + ks[(group + 1) % 3] + group) & _MASK
-    return x0, x1
+def _threefry(k0: Any, k1: Any, x0: Any, x1: Any) -> tuple[Any, Any]:
+    """Threefry-2x32, 20 rounds, elementwise with broadcasting.
 
-
-def _threefry_scalar(words: tuple[int, int], x0: int, x1: int) -> tuple[int, int]:
-    """Threefry-2x32 of one block on Python ints (no tensor overhead: ~10 us)."""
-    k0, k1 = words
+    Works on anything with ``+ ^ << >> &``: Python ints, int64 tensors holding uint32
+    values (also under ``vmap``) and uint32 numpy arrays (where the masks are no-ops).
+    """
     ks = (k0, k1, k0 ^ k1 ^ 0x1BD11BDA)
     x0 = (x0 + k0) & _MASK
     x1 = (x1 + k1) & _MASK
@@ -424,34 +412,22 @@ def _threefry_scalar(words: tuple[int, int], x0: int, x1: int) -> tuple[int, int
     return x0, x1
 
 
+def _np_key(k: RngKey) -> tuple[np.ndarray, np.ndarray]:
+    """The key's words as uint32 numpy arrays of shape (1, 1) (Threefry on numpy: low per-op overhead)."""
+    words = np.array([k.words], dtype=np.uint32)
+    return words[:, :1], words[:, 1:]
+
+
 def _np_counters(n: int) -> tuple[np.ndarray, np.ndarray]:
     """64-bit counters 0..n-1 as (hi, lo) uint32 words, shaped (1, n)."""
     c = np.arange(n, dtype=np.uint64)
     return (c >> np.uint64(32)).astype(np.uint32)[None, :], (c & np.uint64(_MASK)).astype(np.uint32)[None, :]
 
 
-def _threefry_np(keys: np.ndarray, x0: np.ndarray, x1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Threefry-2x32 on uint32 numpy arrays: keys (m, 2) against counters (1, n) -> (m, n).
-
-    uint32 array arithmetic wraps modulo 2**32, which is exactly Threefry's; the same
-    numbers as :func:`_threefry` with a fraction of its per-operation overhead.
-    """
-    k0, k1 = keys[:, :1], keys[:, 1:]
-    ks = (k0, k1, k0 ^ k1 ^ np.uint32(0x1BD11BDA))
-    x0 = x0 + k0
-    x1 = x1 + k1
-    for group in range(1, 6):
-        for r in _ROTATIONS[(group - 1) % 2]:
-            x0 = x0 + x1
-            x1 = ((x1 << np.uint32(r)) | (x1 >> np.uint32(32 - r))) ^ x0
-        x0 = x0 + ks[group % 3]
-        x1 = x1 + ks[(group + 1) % 3] + np.uint32(group)
-    return x0, x1
-
-
 def _hash_counters(kt: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Hashes 64-bit counters (partitionable layout: x0 = hi word, x1 = lo word)."""
-    return _threefry(kt.unsqueeze(-2), counters >> 32, counters & _MASK)
+    kk = kt.unsqueeze(-2)
+    return _threefry(kk[..., 0], kk[..., 1], counters >> 32, counters & _MASK)
 
 
 def _unit_uniform(words: torch.Tensor) -> torch.Tensor:
@@ -478,7 +454,7 @@ def _keyed_generators(keys: list[RngKey], devices: list[torch.device]) -> list[t
     """
     gens = []
     for k, device in zip(keys, devices):
-        hi, lo = _threefry_scalar(k.words, 0, _GENERATOR_DOMAIN)
+        hi, lo = _threefry(*k.words, 0, _GENERATOR_DOMAIN)
         seed = (hi << 32) | lo
         if device.type == "cpu":
             gens.append(_cpu_state_generator(seed))

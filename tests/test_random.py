@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -89,18 +88,6 @@ def test_fast_normal_moments():
     assert abs(float(x.var()) - 1) < 5 * (2 / n) ** 0.5
 
 
-def test_fast_normal_speed_is_close_to_randn():
-    # A sanity bound only (the real ratio is checked by benchmarks): 10M floats.
-    torch.randn(10)
-    t0 = time.perf_counter()
-    torch.randn(10_000_000)
-    base = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    normal(key(4), (10_000_000,))
-    ours = time.perf_counter() - t0
-    assert ours < 5 * base + 0.05
-
-
 def test_tree_normal_one_subkey_per_leaf():
     tree = {"a": torch.zeros(3), "b": (torch.zeros(2, 2, dtype=torch.float64),)}
     out = tree_normal(key(5), tree)
@@ -166,13 +153,6 @@ def test_fast_normal_uses_the_whole_64_bit_seed():
     assert torch.equal(a, torch.randn(2000, generator=_cpu_state_generator(seed)))
     for bit in (0, 31, 32, 63):
         assert not torch.equal(a, torch.randn(2000, generator=_cpu_state_generator(seed ^ (1 << bit))))
-
-
-def test_fast_normal_is_standard_normal():
-    z = normal(key(11), (200_000,))
-    # mean and variance within 5 standard errors of a N(0, 1) sample of this size
-    assert abs(float(z.mean())) < 5 / 200_000**0.5
-    assert abs(float(z.var()) - 1) < 5 * (2 / 200_000) ** 0.5
 
 
 def test_seeds_sharing_low_32_bits_do_not_share_noise():
