@@ -501,6 +501,8 @@ def _cpu_state_generator(seed: int) -> torch.Generator:
 
 
 _SPLITMIX_INDEX = np.arange(1, _MT_WORDS // 2 + 1, dtype=np.uint64)
+_GOLDEN, _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
 def _splitmix64_words(seed: int, n: int) -> np.ndarray:
@@ -510,9 +512,9 @@ def _splitmix64_words(seed: int, n: int) -> np.ndarray:
     generator state: output ``j`` is a bijective mix of ``seed + j * golden``, so distinct
     seeds give distinct, well-mixed sequences. Vectorised in numpy (uint64 wraps).
     """
-    with np.errstate(over="ignore"):
-        z = np.uint64(seed) + _SPLITMIX_INDEX[: (n + 1) // 2] * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
+    # (array arithmetic wraps silently; only numpy scalar overflow would warn)
+    z = _SPLITMIX_INDEX[: (n + 1) // 2] * _GOLDEN + np.uint64(seed)
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    z ^= z >> _S31
     return z.view(np.uint32)[:n].astype(np.int64)

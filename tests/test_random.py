@@ -216,3 +216,20 @@ def test_flat_tree_normal_large_draws_do_not_depend_on_the_thread_count():
     assert not torch.equal(one[: 2**20], one[2**20 : 2**21])
     n = one.numel()
     assert abs(float(one.mean())) < 5 / n**0.5 and abs(float(one.var()) - 1) < 5 * (2 / n) ** 0.5
+
+
+def test_generator_state_is_the_splitmix64_expansion_of_the_seed():
+    from opake_fx.random import _splitmix64_words
+
+    def reference(seed, n):  # SplitMix64 (Steele et al. 2014) on Python ints
+        out, m = [], (1 << 64) - 1
+        for j in range(1, (n + 1) // 2 + 1):
+            z = (seed + j * 0x9E3779B97F4A7C15) & m
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+            z ^= z >> 31
+            out += [z & 0xFFFFFFFF, z >> 32]
+        return out[:n]
+
+    for seed in (0, 1, 2**64 - 1, 0x0123456789ABCDEF):
+        assert _splitmix64_words(seed, 624).tolist() == reference(seed, 624)

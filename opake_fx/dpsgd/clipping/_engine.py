@@ -212,7 +212,13 @@ def clipped_step(
         weights = torch.where(finite.unsqueeze(0), weights, torch.zeros_like(weights))
         if isinstance(per_ex, PerExampleNorms):
             prescaled = True
-            leaf_weights = weights[torch.tensor(leaf_group, dtype=torch.long, device=weights.device)] / cfg.normalize_by
+            if len(group_names) == 1:  # one group: every leaf takes the same weights (no gather)
+                scaled = weights / cfg.normalize_by
+                if len(set(out_dtypes)) == 1:  # cast once, not once per leaf (the rules work in that dtype)
+                    scaled = scaled.to(out_dtypes[0])
+                leaf_weights = scaled.expand(len(leaf_group), -1)
+            else:
+                leaf_weights = weights[torch.tensor(leaf_group, dtype=torch.long, device=weights.device)] / cfg.normalize_by
             for i, part in enumerate(per_ex.weighted_sum(leaf_weights, finite)):
                 part = part.to(out_dtypes[i])
                 sums[i] = part if sums[i] is None else sums[i].add_(part)
@@ -234,8 +240,8 @@ def clipped_step(
         empty = torch.zeros((len(group_names), 0), dtype=torch.float64, device=device)
         all_norms, all_weights = [empty], [empty]
         all_finite, all_losses = [torch.zeros(0, dtype=torch.bool, device=device)], [torch.zeros(0, device=device)]
-    norms = torch.cat(all_norms, dim=1)
-    weights = torch.cat(all_weights, dim=1)
+    norms = _cat(all_norms, dim=1)
+    weights = _cat(all_weights, dim=1)
     totals = [
         torch.zeros(leaf.shape, dtype=dt, device=leaf.device) if s is None else (s if prescaled else s / cfg.normalize_by)
         for s, leaf, dt in zip(sums, diff_leaves, out_dtypes)
@@ -247,8 +253,8 @@ def clipped_step(
         norms=norms,
         weights=weights,
         bounds=bounds,
-        finite=torch.cat(all_finite),
-        losses=torch.cat(all_losses),
+        finite=_cat(all_finite),
+        losses=_cat(all_losses),
         loss_aux=_concat_aux(all_aux) if cfg.has_aux and batch > 0 else None,
         batch_size=batch,
     )
@@ -334,6 +340,8 @@ def _norms_from_squares(sq_norms: torch.Tensor, leaf_group: list[int], num_group
     """Per-group norms ``[G, B]`` from per-leaf squared norms ``[L, B]`` (float64)."""
     if sq_norms.shape[0] == 0:
         raise InputValueError("nothing to differentiate: the differentiated arguments have no tensor leaves.")
+    if num_groups == 1:
+        return sq_norms.to(torch.float64).sum(dim=0, keepdim=True).sqrt()
     index = torch.tensor(leaf_group, dtype=torch.long, device=sq_norms.device)
     sq = torch.zeros((num_groups, sq_norms.shape[1]), dtype=torch.float64, device=sq_norms.device)
     return sq.index_add_(0, index, sq_norms.to(torch.float64)).sqrt()
@@ -401,6 +409,11 @@ def _slice_batch(args: tuple[Any, ...], cfg: ClipConfig, start: int, stop: int) 
         optree.tree_map(lambda t: t[start:stop], a, namespace=NAMESPACE) if i in cfg.batch_argnums else a
         for i, a in enumerate(args)
     )
+
+
+def _cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat`` that hands back a lone part as it is (the one-microbatch case)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def _concat_aux(parts: list[Any]) -> Any:
