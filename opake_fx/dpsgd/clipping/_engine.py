@@ -214,8 +214,8 @@ def clipped_step(
             prescaled = True
             if len(group_names) == 1:  # one group: every leaf takes the same weights (no gather)
                 scaled = weights / cfg.normalize_by
-                if len(set(out_dtypes)) == 1:  # cast once, not once per leaf (the rules work in that dtype)
-                    scaled = scaled.to(out_dtypes[0])
+                if len(set(out_dtypes)) == 1:  # cast once, not once per leaf (rules compute in >= float32)
+                    scaled = scaled.to(torch.promote_types(out_dtypes[0], torch.float32))
                 leaf_weights = scaled.expand(len(leaf_group), -1)
             else:
                 leaf_weights = weights[torch.tensor(leaf_group, dtype=torch.long, device=weights.device)] / cfg.normalize_by
