@@ -40,9 +40,10 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Real
-from typing import Any, Callable, Literal
+from typing import Any
 
 import optree
 import torch
@@ -51,11 +52,15 @@ from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths, zeros_like
 from opake_fx.transforms import Transform, unwrap
 from opake_fx.types import NoisedPytree, PerGroup
+from opake_fx.typing import typechecked
 
 __all__ = ["SgdState", "AdamState", "sgd", "adam", "adamw"]
 
-ScalarOrSchedule = float | Callable[[int], float]
-BiasCorrection = float | Literal["auto"] | None
+# Real: int, float and numpy scalars. BiasCorrection is "auto", a noise variance or None;
+# it is hinted str rather than Literal["auto"] so that another string is reported as a
+# wrong value (InputValueError), not a wrong type.
+ScalarOrSchedule = Real | Callable[[int], float]
+BiasCorrection = Real | str | None
 
 
 @dataclass(frozen=True)
@@ -75,11 +80,12 @@ class AdamState:
     nu: Any
 
 
+@typechecked
 def sgd(
     learning_rate: ScalarOrSchedule,
-    momentum: float = 0.0,
+    momentum: Real = 0.0,
     nesterov: bool = False,
-    weight_decay: float = 0.0,
+    weight_decay: Real = 0.0,
 ) -> Transform:
     """Stochastic gradient descent with optional (Nesterov) momentum and L2 weight decay.
 
@@ -143,15 +149,16 @@ def sgd(
     return Transform(init, update)
 
 
+@typechecked
 def adam(
     learning_rate: ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
+    b1: Real = 0.9,
+    b2: Real = 0.999,
+    eps: Real = 1e-8,
+    weight_decay: Real = 0.0,
     *,
     dp_bias_correction: BiasCorrection = None,
-    dp_bias_correction_gamma: float = 1e-8,
+    dp_bias_correction_gamma: Real = 1e-8,
 ) -> Transform:
     """Adam (Kingma & Ba 2015) with optional L2 weight decay and DP bias correction.
 
@@ -199,15 +206,16 @@ def adam(
     return _adam("adam", learning_rate, b1, b2, eps, weight_decay, False, dp_bias_correction, dp_bias_correction_gamma)
 
 
+@typechecked
 def adamw(
     learning_rate: ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
+    b1: Real = 0.9,
+    b2: Real = 0.999,
+    eps: Real = 1e-8,
+    weight_decay: Real = 1e-2,
     *,
     dp_bias_correction: BiasCorrection = None,
-    dp_bias_correction_gamma: float = 1e-8,
+    dp_bias_correction_gamma: Real = 1e-8,
 ) -> Transform:
     """Adam with decoupled weight decay (Loshchilov & Hutter 2019), as ``torch.optim.AdamW``.
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Any, Callable
+from typing import Any
 
+from opake_fx._typecheck import typechecked
 from opake_fx.errors import InputTypeError, InputValueError
 
 __all__ = ["Schedule", "constant", "linear", "cosine", "inverse_sqrt", "with_warmup"]
@@ -32,7 +34,8 @@ Schedule = Callable[[int], float]
 """A function from the step count (an int >= 0) to a value."""
 
 
-def constant(value: float) -> Schedule:
+@typechecked
+def constant(value: Real) -> Schedule:
     """The schedule that is ``value`` at every step.
 
     Privacy: post-processing; changes no guarantee.
@@ -44,7 +47,8 @@ def constant(value: float) -> Schedule:
     return _Constant(_finite(value, "constant", "value"))
 
 
-def linear(init_value: float, end_value: float, transition_steps: int) -> Schedule:
+@typechecked
+def linear(init_value: Real, end_value: Real, transition_steps: Integral) -> Schedule:
     """Linear interpolation from ``init_value`` (step 0) to ``end_value`` (step ``transition_steps`` and after).
 
     ``value(t) = init_value + (end_value - init_value) * min(t, transition_steps) / transition_steps``,
@@ -64,7 +68,8 @@ def linear(init_value: float, end_value: float, transition_steps: int) -> Schedu
     )
 
 
-def cosine(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
+@typechecked
+def cosine(init_value: Real, decay_steps: Integral, alpha: Real = 0.0) -> Schedule:
     """Cosine decay from ``init_value`` to ``alpha * init_value`` over ``decay_steps``, then constant.
 
     ``value(t) = init_value * ((1 - alpha) * 0.5 * (1 + cos(pi * min(t, decay_steps) / decay_steps)) + alpha)``,
@@ -88,7 +93,8 @@ def cosine(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
     return _Cosine(_finite(init_value, "cosine", "init_value"), _count(decay_steps, "cosine", "decay_steps", minimum=1), alpha)
 
 
-def inverse_sqrt(init_value: float, warmup_steps: int = 1) -> Schedule:
+@typechecked
+def inverse_sqrt(init_value: Real, warmup_steps: Integral = 1) -> Schedule:
     """Inverse-square-root decay: ``value(t) = init_value * sqrt(warmup_steps / (t + warmup_steps))``.
 
     The value is ``init_value`` at step 0 and decays like ``1 / sqrt(t)``, with
@@ -110,7 +116,8 @@ def inverse_sqrt(init_value: float, warmup_steps: int = 1) -> Schedule:
     return _InverseSqrt(_finite(init_value, "inverse_sqrt", "init_value"), _count(warmup_steps, "inverse_sqrt", "warmup_steps", minimum=1))
 
 
-def with_warmup(schedule: Schedule, warmup_steps: int, init_value: float = 0.0) -> Schedule:
+@typechecked
+def with_warmup(schedule: Schedule, warmup_steps: Integral, init_value: Real = 0.0) -> Schedule:
     """Linear warmup from ``init_value`` to ``schedule(0)``, then ``schedule`` shifted by ``warmup_steps``.
 
     ``value(t) = init_value + (schedule(0) - init_value) * t / warmup_steps`` for

@@ -29,6 +29,7 @@ import torch
 
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.random import RngKey
+from opake_fx.typing import typechecked
 
 __all__ = ["state_dict", "from_state_dict", "register_serializable"]
 
@@ -36,6 +37,7 @@ _TYPE = "__opake_type__"
 _EXTRA: dict[str, type] = {}
 
 
+@typechecked
 def register_serializable(cls: type) -> type:
     """Allows a user dataclass to be rebuilt by :func:`from_state_dict` (usable as a decorator)."""
     if not dataclasses.is_dataclass(cls):

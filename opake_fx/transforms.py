@@ -27,12 +27,13 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
-
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import tree_map
 from opake_fx.types import ClippedPytree, EmptyState
+from opake_fx.typing import typechecked
 
 __all__ = ["Transform", "chain", "named_chain", "identity", "stateless", "apply_updates", "unwrap"]
 
@@ -56,6 +57,7 @@ def identity() -> Transform:
     return Transform(lambda params: EmptyState(), update)
 
 
+@typechecked
 def stateless(fn: Callable[..., Any]) -> Transform:
     """Wraps ``fn(x, params=None)`` as a stateless :class:`Transform`.
 
@@ -69,6 +71,7 @@ def stateless(fn: Callable[..., Any]) -> Transform:
     return Transform(lambda params: EmptyState(), update)
 
 
+@typechecked
 def chain(*transforms: Transform) -> Transform:
     """Composes transforms left to right; the state is the tuple of their states.
 
@@ -97,6 +100,7 @@ def chain(*transforms: Transform) -> Transform:
     return Transform(init, update)
 
 
+@typechecked
 def named_chain(*named: tuple[str, Transform]) -> Transform:
     """Like :func:`chain`, with named stages; the state is a ``dict`` name -> state.
 

@@ -2,7 +2,8 @@
 
 ``typechecked`` is beartype configured to raise :class:`~opake_fx.errors.InputTypeError`
 (a ``TypeError``), so a wrongly typed argument gets the library's error type with
-beartype's precise message (which parameter, what was expected, what came).
+beartype's precise message (which parameter, what was expected, what came). It is
+defined in the torch-free :mod:`opake_fx._typecheck`, which the accounting modules use.
 
 Example:
     >>> from opake_fx.typing import typechecked
@@ -15,13 +16,12 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import torch
-from beartype import BeartypeConf, beartype
 from jaxtyping import Float, Int, Shaped
 
-from opake_fx.errors import InputTypeError
+from opake_fx._typecheck import typechecked
 
 __all__ = ["typechecked", "PyTree", "FloatTensor", "IntTensor", "KeyData", "Tensor"]
 
@@ -33,13 +33,3 @@ FloatTensor = Float[torch.Tensor, "..."]
 IntTensor = Int[torch.Tensor, "..."]
 KeyData = Shaped[torch.Tensor, "*batch 2"]
 """Stacked key words: int64 tensors of shape ``(..., 2)``."""
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-# is_pep484_tower: an int is accepted where a float is annotated (batch sizes, norms).
-_CONF = BeartypeConf(violation_type=InputTypeError, is_pep484_tower=True)
-
-
-def typechecked(fn: _F) -> _F:
-    """Checks ``fn``'s annotated argument and return types at call time (beartype)."""
-    return beartype(conf=_CONF)(fn)

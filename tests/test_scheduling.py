@@ -126,11 +126,11 @@ def test_bad_arguments():
         cosine(1.0, 10, alpha=1.5)
     with pytest.raises(InputValueError, match="finite"):
         constant(float("nan"))
-    with pytest.raises(InputTypeError, match="real number"):
+    with pytest.raises(InputTypeError, match="parameter value="):
         constant("0.1")
     with pytest.raises(InputValueError, match="warmup_steps >= 1"):
         inverse_sqrt(1.0, 0)
     with pytest.raises(InputValueError, match="warmup_steps >= 0"):
         with_warmup(constant(1.0), -1)
-    with pytest.raises(InputTypeError, match="constant"):
+    with pytest.raises(InputTypeError, match="parameter schedule="):
         with_warmup(0.1, 10)

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from opake_fx._typecheck import typechecked
 from opake_fx.accounting.budgets import Budget, budget_from_dict
-from opake_fx.accounting.process import DpProcess, compose, identity, process_from_dict, repeat
+# _compose/_repeat: compose/repeat without their signature check; step() runs once per
+# training step and checks its own argument.
+from opake_fx.accounting.process import DpProcess, _compose, _repeat, identity, process_from_dict
 from opake_fx.errors import BudgetExceededError, InputTypeError, InputValueError
 
 __all__ = ["Accountant"]
@@ -36,6 +39,7 @@ class Accountant:
         spent: what was already spent (default: nothing); it must meet the budget.
     """
 
+    @typechecked
     def __init__(self, budget: Budget, spent: DpProcess | None = None) -> None:
         if not isinstance(budget, Budget):
             raise InputTypeError(f"Accountant: budget must come from epsilon_budget/delta_budget; got {type(budget).__name__}.")
@@ -77,7 +81,7 @@ class Accountant:
         process = _checked(process)
         if self._headroom is not None and self._headroom[0] == process:
             return self._headroom[1] < 1
-        return not self._budget.is_met_by(compose(self._spent, process))
+        return not self._budget.is_met_by(_compose(self._spent, process))
 
     def step(self, process: DpProcess) -> None:
         """Records ``process`` as spent.
@@ -96,16 +100,16 @@ class Accountant:
             fits = self._headroom[1] >= 1
         else:
             self._headroom = None
-            fits = self._budget.is_met_by(compose(self._spent, process))
+            fits = self._budget.is_met_by(_compose(self._spent, process))
         if not fits:
-            after = compose(self._spent, process)
+            after = _compose(self._spent, process)
             value = self._budget.measure(after)
             raise BudgetExceededError(
                 f"Accountant: taking {process!r} would spend {self._budget.metric}={value:.6g} > budget "
                 f"{self._budget.value:g}; the step was not recorded. Do not release its output: stop "
                 "training, or add noise / use fewer steps."
             )
-        self._spent = compose(self._spent, process)
+        self._spent = _compose(self._spent, process)
         self._last = process
         if self._headroom is not None:
             self._headroom = (process, self._headroom[1] - 1)
@@ -133,7 +137,7 @@ class Accountant:
             )
 
         def fits(k: int) -> bool:
-            return self._budget.is_met_by(compose(self._spent, repeat(process, k)))
+            return self._budget.is_met_by(_compose(self._spent, _repeat(process, k)))
 
         if not fits(1):
             return 0
@@ -154,6 +158,7 @@ class Accountant:
         return {"version": _STATE_VERSION, "budget": self._budget.to_dict(), "spent": self._spent.to_dict()}
 
     @classmethod
+    @typechecked
     def from_state_dict(cls, state: dict[str, Any]) -> Accountant:
         """Rebuilds an accountant from :meth:`state_dict` output."""
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:

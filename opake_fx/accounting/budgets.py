@@ -16,8 +16,10 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Real
 from typing import Any, ClassVar
 
+from opake_fx._typecheck import typechecked
 from opake_fx.accounting import _validation as check
 from opake_fx.accounting.pld import DEFAULT_DISCRETIZATION
 from opake_fx.accounting.process import DpProcess
@@ -122,12 +124,13 @@ class DeltaBudget(Budget):
         }
 
 
+@typechecked
 def epsilon_budget(
-    epsilon: float,
-    delta: float,
+    epsilon: Real,
+    delta: Real,
     *,
     accountant: str = "pld",
-    discretization: float = DEFAULT_DISCRETIZATION,
+    discretization: Real = DEFAULT_DISCRETIZATION,
 ) -> EpsilonBudget:
     """A budget of (``epsilon``, ``delta``)-DP: epsilon measured at ``delta``.
 
@@ -145,12 +148,13 @@ def epsilon_budget(
     return EpsilonBudget(accountant=accountant, discretization=discretization, epsilon=epsilon, delta=delta)
 
 
+@typechecked
 def delta_budget(
-    delta: float,
-    epsilon: float,
+    delta: Real,
+    epsilon: Real,
     *,
     accountant: str = "pld",
-    discretization: float = DEFAULT_DISCRETIZATION,
+    discretization: Real = DEFAULT_DISCRETIZATION,
 ) -> DeltaBudget:
     """A budget of (``epsilon``, ``delta``)-DP: delta measured at ``epsilon``.
 
@@ -162,6 +166,7 @@ def delta_budget(
     return DeltaBudget(accountant=accountant, discretization=discretization, delta=delta, epsilon=epsilon)
 
 
+@typechecked
 def budget_from_dict(data: dict[str, Any]) -> Budget:
     """Inverse of :meth:`Budget.to_dict`."""
     if not isinstance(data, dict):

@@ -19,7 +19,10 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Any
 
+from opake_fx._typecheck import typechecked
 from opake_fx.accounting import _validation as check
 from opake_fx.accounting.budgets import Budget
 from opake_fx.accounting.process import DpProcess
@@ -47,14 +50,15 @@ class CalibrateResult:
     converged: bool
 
 
+@typechecked
 def calibrate(
     budget: Budget,
-    fn: Callable[[float], DpProcess],
-    param_min: float | int,
-    param_max: float | int,
+    fn: Callable[[Any], DpProcess],
+    param_min: Real,
+    param_max: Real,
     *,
-    tolerance: float = 1e-3,
-    max_iterations: int = 60,
+    tolerance: Real = 1e-3,
+    max_iterations: Integral = 60,
 ) -> CalibrateResult:
     """Finds the parameter at which ``fn(param)`` spends ``budget``, never beyond it.
 

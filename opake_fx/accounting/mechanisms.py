@@ -14,11 +14,13 @@ Users build these through the factories in :mod:`opake_fx.dpsgd.accounting`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Real
 from typing import Any, ClassVar
 
 import numpy as np
 from scipy import stats
 
+from opake_fx._typecheck import typechecked
 from opake_fx.accounting import _curves
 from opake_fx.accounting import _validation as check
 from opake_fx.accounting import rdp as _rdp
@@ -399,7 +401,8 @@ class SampledWithoutReplacement(DpProcess):
         return cls(process_from_dict(data["inner"]), data["dataset_size"], data["batch_size"])
 
 
-def eps_delta(epsilon: float, delta: float = 0.0) -> DpProcess:
+@typechecked
+def eps_delta(epsilon: Real, delta: Real = 0.0) -> DpProcess:
     """A mechanism known only to be (``epsilon``, ``delta``)-DP (e.g. a private hyper-parameter search).
 
     Privacy contract: composed through the canonical PLD of an (epsilon, delta)-DP

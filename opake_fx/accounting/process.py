@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any, ClassVar
 
 import numpy as np
 
+from opake_fx._typecheck import typechecked
 from opake_fx.accounting import _validation as check
 from opake_fx.accounting import pld as _pld
 from opake_fx.accounting import rdp as _rdp
@@ -320,7 +322,8 @@ def nonprivate() -> DpProcess:
     return NonPrivate()
 
 
-def repeat(process: DpProcess, count: int) -> DpProcess:
+@typechecked
+def repeat(process: DpProcess, count: Integral) -> DpProcess:
     """``count`` independent runs of ``process`` (same as ``process * count``).
 
     Args:
@@ -336,12 +339,18 @@ def repeat(process: DpProcess, count: int) -> DpProcess:
         >>> acc.repeat(dpsgd_acc.gaussian(2.0), 4) == dpsgd_acc.gaussian(2.0) * 4
         True
     """
+    return _repeat(process, count)
+
+
+def _repeat(process: DpProcess, count: int) -> DpProcess:
+    """:func:`repeat` without the signature check (the Accountant's per-step path)."""
     if not isinstance(process, DpProcess):
         raise InputTypeError(f"repeat: expected a DpProcess; got {type(process).__name__}.")
     count = check.integer(count, "count", "repeat (p * k)", 1, "Pass the number of steps as an int >= 1.")
     return _canonical([(leaf, k * count) for leaf, k in process._components()], process)
 
 
+@typechecked
 def compose(*processes: DpProcess) -> DpProcess:
     """Adaptive composition of ``processes`` (same as ``a | b | ...``; order is irrelevant).
 
@@ -356,6 +365,11 @@ def compose(*processes: DpProcess) -> DpProcess:
         >>> acc.compose(warmup, main) == warmup | main
         True
     """
+    return _compose(*processes)
+
+
+def _compose(*processes: DpProcess) -> DpProcess:
+    """:func:`compose` without the signature check (the Accountant's per-step path)."""
     items: list[tuple[DpProcess, int]] = []
     for p in processes:
         if not isinstance(p, DpProcess):
@@ -364,6 +378,7 @@ def compose(*processes: DpProcess) -> DpProcess:
     return _canonical(items, None)
 
 
+@typechecked
 def process_from_dict(data: dict[str, Any]) -> DpProcess:
     """Rebuilds a process from :meth:`DpProcess.to_dict` output.
 

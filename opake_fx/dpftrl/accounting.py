@@ -49,7 +49,9 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from numbers import Integral, Real
 from typing import Any, ClassVar
 
 import numpy as np
@@ -63,6 +65,7 @@ from opake_fx.dpftrl import sensitivity as _sens
 from opake_fx.dpftrl.strategies._base import Strategy, ToeplitzLike
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.random import RngKey
+from opake_fx.typing import typechecked
 
 __all__ = [
     "mf_gaussian",
@@ -79,15 +82,16 @@ __all__ = [
 MonteCarloEstimate = _mc.MonteCarloEstimate
 
 
+@typechecked
 def mf_gaussian(
-    noise_multiplier: float,
+    noise_multiplier: Real,
     strategy: Strategy,
-    min_sep: int = 1,
-    max_participations: int | None = 1,
+    min_sep: Integral = 1,
+    max_participations: Integral | None = 1,
     *,
-    epochs: int | None = None,
-    n_steps: int | None = None,
-    noise_sensitivity: float | None = None,
+    epochs: Integral | None = None,
+    n_steps: Integral | None = None,
+    noise_sensitivity: Real | None = None,
 ) -> DpProcess:
     """The whole run ``C x + z`` as one Gaussian mechanism.
 
@@ -123,14 +127,15 @@ def mf_gaussian(
     return _dpsgd.gaussian(nm * noise_sens / sens)
 
 
+@typechecked
 def mf_gaussian_steps(
-    noise_multiplier: float,
+    noise_multiplier: Real,
     strategy: Strategy,
-    min_sep: int = 1,
-    max_participations: int | None = 1,
+    min_sep: Integral = 1,
+    max_participations: Integral | None = 1,
     *,
-    n_steps: int | None = None,
-    noise_sensitivity: float | None = None,
+    n_steps: Integral | None = None,
+    noise_sensitivity: Real | None = None,
 ) -> list[DpProcess]:
     """Per-step increments of :func:`mf_gaussian`: their composition over steps ``0..t-1`` is the first ``t`` releases.
 
@@ -164,14 +169,15 @@ def mf_gaussian_steps(
     return out
 
 
+@typechecked
 def poisson(
-    noise_multiplier: float,
+    noise_multiplier: Real,
     strategy: Strategy,
-    sample_rate: float,
+    sample_rate: Real,
     *,
-    partitions: int | None = None,
-    n_steps: int | None = None,
-    noise_sensitivity: float | None = None,
+    partitions: Integral | None = None,
+    n_steps: Integral | None = None,
+    noise_sensitivity: Real | None = None,
 ) -> DpProcess:
     """Amplified BandMF: a banded strategy under cyclic Poisson sampling.
 
@@ -206,14 +212,15 @@ def poisson(
     return step * (-(-n // b))
 
 
+@typechecked
 def poisson_steps(
-    noise_multiplier: float,
+    noise_multiplier: Real,
     strategy: Strategy,
-    sample_rate: float,
+    sample_rate: Real,
     *,
-    partitions: int | None = None,
-    n_steps: int | None = None,
-    noise_sensitivity: float | None = None,
+    partitions: Integral | None = None,
+    n_steps: Integral | None = None,
+    noise_sensitivity: Real | None = None,
 ) -> list[DpProcess]:
     """Per-step increments of :func:`poisson`: step ``t`` costs one subsampled Gaussian when ``t % partitions == 0``.
 
@@ -233,18 +240,19 @@ def poisson_steps(
     return [one if t % b == 0 else identity() for t in range(n)]
 
 
+@typechecked
 def b_min_sep(
-    noise_multiplier: float,
+    noise_multiplier: Real,
     strategy: Strategy,
-    sample_rate: float,
-    min_sep: int,
+    sample_rate: Real,
+    min_sep: Integral,
     *,
     warm_start: bool = False,
-    n_steps: int | None = None,
-    noise_sensitivity: float | None = None,
-    num_samples: int = 100_000,
+    n_steps: Integral | None = None,
+    noise_sensitivity: Real | None = None,
+    num_samples: Integral = 100_000,
     key: RngKey | None = None,
-    confidence: float = 0.99,
+    confidence: Real = 0.99,
 ) -> DpProcess:
     """A banded strategy under b-min-sep sampling (:class:`~opake_fx.dpftrl.sampling.MinSepSampler`).
 
@@ -279,16 +287,17 @@ def b_min_sep(
     return MonteCarloProcess("b_min_sep", spec, nm * noise_sens, _samples(num_samples), _key_words(key, "b_min_sep"), _confidence(confidence))
 
 
+@typechecked
 def balls_in_bins(
-    noise_multiplier: float,
+    noise_multiplier: Real,
     strategy: Strategy,
-    cycle_length: int,
+    cycle_length: Integral,
     *,
-    n_steps: int | None = None,
-    noise_sensitivity: float | None = None,
-    num_samples: int = 100_000,
+    n_steps: Integral | None = None,
+    noise_sensitivity: Real | None = None,
+    num_samples: Integral = 100_000,
     key: RngKey | None = None,
-    confidence: float = 0.99,
+    confidence: Real = 0.99,
 ) -> DpProcess:
     """Any strategy under balls-in-bins sampling (:class:`~opake_fx.dpftrl.sampling.BallsInBinsSampler`).
 
@@ -319,7 +328,8 @@ def balls_in_bins(
     return MonteCarloProcess("balls_in_bins", spec, nm * noise_sens, _samples(num_samples), _key_words(key, "balls_in_bins"), _confidence(confidence))
 
 
-def prefix_epsilons(steps: list[DpProcess], delta: float) -> list[float]:
+@typechecked
+def prefix_epsilons(steps: Iterable[DpProcess], delta: Real) -> list[float]:
     """Epsilon after each step of a prefix-accounted run (``steps`` from ``*_steps``).
 
     Example:
@@ -537,19 +547,19 @@ def _noise_multiplier(nm: Any, where: str) -> float:
 
 
 def _positive(x: Any, name: str, where: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.floating)) or not math.isfinite(float(x)) or float(x) <= 0:
+    if isinstance(x, bool) or not isinstance(x, Real) or not math.isfinite(float(x)) or float(x) <= 0:
         raise InputValueError(f"{where}: {name} must be a finite number > 0; got {x!r}.")
     return float(x)
 
 
 def _positive_int(x: Any, name: str, where: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or int(x) < 1:
+    if isinstance(x, bool) or not isinstance(x, Integral) or int(x) < 1:
         raise InputValueError(f"{where}: {name} must be an int >= 1; got {x!r}.")
     return int(x)
 
 
 def _rate(q: Any, where: str) -> float:
-    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < float(q) <= 1.0:
+    if isinstance(q, bool) or not isinstance(q, Real) or not 0.0 < float(q) <= 1.0:
         raise InputValueError(f"{where}: sample_rate must be in (0, 1]; got {q!r}.")
     return float(q)
 
@@ -559,7 +569,7 @@ def _samples(n: Any) -> int:
 
 
 def _confidence(c: Any) -> float:
-    if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 < float(c) < 1.0:
+    if isinstance(c, bool) or not isinstance(c, Real) or not 0.0 < float(c) < 1.0:
         raise InputValueError(f"confidence must be in (0, 1); got {c!r}.")
     return float(c)
 

@@ -34,7 +34,8 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Mapping
+from numbers import Integral, Real
+from typing import Any, Iterator, Mapping, SupportsIndex
 
 import torch
 from scipy import special
@@ -43,6 +44,7 @@ from torch.utils.data import Sampler
 from opake_fx.dpsgd.sampling import _check_count, _check_key, _check_sample_rate, _dataset_size, _poisson_indices
 from opake_fx.errors import InputTypeError, InputValueError, OperationError
 from opake_fx.random import RngKey, bits, fold_in, normal
+from opake_fx.typing import typechecked
 
 __all__ = ["CyclicPoissonSampler", "MinSepSampler", "BallsInBinsSampler", "FixedEpochSampler", "uniform_groups"]
 
@@ -192,7 +194,8 @@ class CyclicPoissonSampler(_GroupedSampler):
 
     _config_fields = ("sample_rate", "partitions")
 
-    def __init__(self, dataset: Any, *, sample_rate: float, partitions: int, n_steps: int, key: RngKey) -> None:
+    @typechecked
+    def __init__(self, dataset: Any, *, sample_rate: Real, partitions: SupportsIndex, n_steps: SupportsIndex, key: RngKey) -> None:
         name = type(self).__name__
         self.sample_rate: float = _check_sample_rate(sample_rate, name)
         self.partitions: int = _check_count(partitions, "partitions", name, minimum=1)
@@ -231,7 +234,8 @@ class BallsInBinsSampler(_GroupedSampler):
 
     _config_fields = ("cycle_length",)
 
-    def __init__(self, dataset: Any, *, cycle_length: int, n_steps: int, key: RngKey) -> None:
+    @typechecked
+    def __init__(self, dataset: Any, *, cycle_length: SupportsIndex, n_steps: SupportsIndex, key: RngKey) -> None:
         self.cycle_length: int = _check_count(cycle_length, "cycle_length", type(self).__name__, minimum=1)
         super().__init__(dataset, n_steps, key, self.cycle_length)
 
@@ -267,7 +271,10 @@ class MinSepSampler(_KeyedSampler):
 
     _config_fields = ("sample_rate", "min_sep", "warm_start")
 
-    def __init__(self, dataset: Any, *, sample_rate: float, min_sep: int, n_steps: int, key: RngKey, warm_start: bool = False) -> None:
+    @typechecked
+    def __init__(
+        self, dataset: Any, *, sample_rate: Real, min_sep: SupportsIndex, n_steps: SupportsIndex, key: RngKey, warm_start: bool = False
+    ) -> None:
         name = type(self).__name__
         self.sample_rate: float = _check_sample_rate(sample_rate, name)
         self.min_sep: int = _check_count(min_sep, "min_sep", name, minimum=1)
@@ -336,7 +343,8 @@ class FixedEpochSampler(_KeyedSampler):
 
     _config_fields = ("steps_per_epoch", "epochs")
 
-    def __init__(self, dataset: Any, *, steps_per_epoch: int, epochs: int, key: RngKey) -> None:
+    @typechecked
+    def __init__(self, dataset: Any, *, steps_per_epoch: SupportsIndex, epochs: SupportsIndex, key: RngKey) -> None:
         name = type(self).__name__
         self.steps_per_epoch: int = _check_count(steps_per_epoch, "steps_per_epoch", name, minimum=1)
         self.epochs: int = _check_count(epochs, "epochs", name, minimum=1)
@@ -360,7 +368,8 @@ class FixedEpochSampler(_KeyedSampler):
         return sorted(self._perm[step % self.steps_per_epoch].tolist())
 
 
-def uniform_groups(k: RngKey, n: int, num_groups: int) -> torch.Tensor:
+@typechecked
+def uniform_groups(k: RngKey, n: Integral, num_groups: Integral) -> torch.Tensor:
     """``n`` i.i.d. uniform integers in ``[0, num_groups)`` from ``k`` (exactly uniform: rejection on 32-bit words)."""
     if num_groups == 1:
         return torch.zeros(n, dtype=torch.int64)

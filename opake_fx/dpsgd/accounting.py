@@ -16,7 +16,9 @@ in :mod:`opake_fx.accounting`.
 from __future__ import annotations
 
 import math
+from numbers import Integral, Real
 
+from opake_fx._typecheck import typechecked
 from opake_fx.accounting import _validation as check
 from opake_fx.accounting.mechanisms import (
     AdaptiveClippingGaussian,
@@ -42,7 +44,8 @@ __all__ = [
 ]
 
 
-def gaussian(noise_multiplier: float) -> DpProcess:
+@typechecked
+def gaussian(noise_multiplier: Real) -> DpProcess:
     """One release of a sum with Gaussian noise of std ``noise_multiplier * C``.
 
     Privacy contract: add-or-remove neighbours, L2 sensitivity C (the clipping norm of
@@ -59,7 +62,8 @@ def gaussian(noise_multiplier: float) -> DpProcess:
     return Gaussian(noise_multiplier)
 
 
-def laplace(scale: float) -> DpProcess:
+@typechecked
+def laplace(scale: Real) -> DpProcess:
     """One release of a query with Laplace noise of scale ``scale * C1``.
 
     Privacy contract: add-or-remove neighbours, L1 sensitivity C1; (1/scale)-DP.
@@ -71,7 +75,8 @@ def laplace(scale: float) -> DpProcess:
     return Laplace(scale)
 
 
-def poisson(inner: DpProcess, sample_rate: float) -> DpProcess:
+@typechecked
+def poisson(inner: DpProcess, sample_rate: Real) -> DpProcess:
     """``inner`` applied to a Poisson sample (each example kept independently w.p. ``sample_rate``).
 
     Privacy contract: add-or-remove neighbours; amplification by subsampling for the
@@ -103,7 +108,8 @@ def poisson(inner: DpProcess, sample_rate: float) -> DpProcess:
     return inner if q == 1.0 else PoissonSampled(inner, q)
 
 
-def truncated_poisson(inner: DpProcess, sample_rate: float, dataset_size: int, max_batch_size: int) -> DpProcess:
+@typechecked
+def truncated_poisson(inner: DpProcess, sample_rate: Real, dataset_size: Integral, max_batch_size: Integral) -> DpProcess:
     """Poisson sampling whose batches are cut to ``max_batch_size`` by a uniformly random subset.
 
     Matches ``opake_fx.dpsgd.sampling.TruncatedPoissonSampler``. Never more private than
@@ -131,7 +137,8 @@ def truncated_poisson(inner: DpProcess, sample_rate: float, dataset_size: int, m
     return TruncatedPoissonSampled(inner, q, dataset_size, max_batch_size)
 
 
-def sampled_without_replacement(inner: DpProcess, dataset_size: int, batch_size: int) -> DpProcess:
+@typechecked
+def sampled_without_replacement(inner: DpProcess, dataset_size: Integral, batch_size: Integral) -> DpProcess:
     """``inner`` applied to a uniformly random batch of exactly ``batch_size`` examples.
 
     Privacy contract: *replace-one* neighbours (datasets of equal size differing in one
@@ -153,7 +160,8 @@ def sampled_without_replacement(inner: DpProcess, dataset_size: int, batch_size:
     return SampledWithoutReplacement(inner, dataset_size, batch_size)
 
 
-def adaptive_clipping_gaussian(noise_multiplier: float, count_noise_multiplier: float) -> DpProcess:
+@typechecked
+def adaptive_clipping_gaussian(noise_multiplier: Real, count_noise_multiplier: Real) -> DpProcess:
     """One step of DP-SGD with adaptive clipping (Andrew et al. 2021, "Differentially
     Private Learning with Adaptive Clipping").
 
@@ -176,7 +184,8 @@ def adaptive_clipping_gaussian(noise_multiplier: float, count_noise_multiplier: 
     return AdaptiveClippingGaussian(noise_multiplier, count_noise_multiplier)
 
 
-def adaptive_clipping_noise_multiplier(effective_noise_multiplier: float, count_noise_multiplier: float) -> float:
+@typechecked
+def adaptive_clipping_noise_multiplier(effective_noise_multiplier: Real, count_noise_multiplier: Real) -> float:
     """The gradient noise multiplier that keeps adaptive clipping at a target effective one.
 
     Solves ``(z^-2 + (2 sigma_b)^-2)^-1/2 = effective_noise_multiplier`` for ``z``:

@@ -37,13 +37,14 @@ from __future__ import annotations
 import math
 import operator
 from numbers import Integral, Real
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, SupportsIndex
 
 import torch
 from torch.utils.data import Sampler
 
 from opake_fx.errors import InputTypeError, InputValueError, OperationError
 from opake_fx.random import RngKey, bits, fold_in
+from opake_fx.typing import typechecked
 
 __all__ = ["PoissonSampler", "TruncatedPoissonSampler", "SequentialBatchSampler"]
 
@@ -92,7 +93,10 @@ class PoissonSampler(Sampler[list[int]]):
         5
     """
 
-    def __init__(self, dataset: Any, *, sample_rate: float, n_steps: int, key: RngKey) -> None:
+    # Counts are SupportsIndex: ints, numpy integers and 0-dim integer tensors (the checks
+    # below reject bools and non-integer tensors).
+    @typechecked
+    def __init__(self, dataset: Any, *, sample_rate: Real, n_steps: SupportsIndex, key: RngKey) -> None:
         name = type(self).__name__
         self.dataset_size: int = _dataset_size(dataset, name)
         self.sample_rate: float = _check_sample_rate(sample_rate, name)
@@ -247,8 +251,9 @@ class TruncatedPoissonSampler(PoissonSampler):
         [10, 10, 10]
     """
 
+    @typechecked
     def __init__(
-        self, dataset: Any, *, sample_rate: float, n_steps: int, key: RngKey, max_batch_size: int
+        self, dataset: Any, *, sample_rate: Real, n_steps: SupportsIndex, key: RngKey, max_batch_size: SupportsIndex
     ) -> None:
         super().__init__(dataset, sample_rate=sample_rate, n_steps=n_steps, key=key)
         self.max_batch_size: int = _check_count(max_batch_size, "max_batch_size", type(self).__name__, minimum=1)
@@ -307,8 +312,9 @@ class SequentialBatchSampler(Sampler[list[int]]):
 
     sample_rate: float = 1.0
 
+    @typechecked
     def __init__(
-        self, dataset: Any, *, batch_size: int, n_steps: int | None = None, drop_last: bool = False
+        self, dataset: Any, *, batch_size: SupportsIndex, n_steps: SupportsIndex | None = None, drop_last: bool = False
     ) -> None:
         name = type(self).__name__
         self.dataset_size: int = _dataset_size(dataset, name)

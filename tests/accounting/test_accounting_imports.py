@@ -12,8 +12,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[2]
-FILES = sorted((ROOT / "opake_fx" / "accounting").glob("*.py")) + [ROOT / "opake_fx" / "dpsgd" / "accounting.py"]
-ALLOWED_OPAKE = {"opake_fx.errors", "opake_fx.accounting"}
+FILES = sorted((ROOT / "opake_fx" / "accounting").glob("*.py")) + [
+    ROOT / "opake_fx" / "dpsgd" / "accounting.py",
+    ROOT / "opake_fx" / "_typecheck.py",
+]
+# opake_fx._typecheck is the torch-free runtime type checker (beartype) behind opake_fx.typing.
+ALLOWED_OPAKE = {"opake_fx.errors", "opake_fx.accounting", "opake_fx._typecheck"}
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)

@@ -115,7 +115,7 @@ def test_from_dict_errors():
         (lambda: dpsgd_acc.gaussian(0.0), InputValueError, "noise_multiplier"),
         (lambda: dpsgd_acc.gaussian(-1.0), InputValueError, "noise_multiplier"),
         (lambda: dpsgd_acc.gaussian(float("nan")), InputValueError, "NaN"),
-        (lambda: dpsgd_acc.gaussian("1"), InputTypeError, "real number"),
+        (lambda: dpsgd_acc.gaussian("1"), InputTypeError, "noise_multiplier"),
         (lambda: dpsgd_acc.laplace(0.0), InputValueError, "scale"),
         (lambda: dpsgd_acc.poisson(dpsgd_acc.gaussian(1.0), 1.5), InputValueError, "sample_rate"),
         (lambda: dpsgd_acc.poisson(dpsgd_acc.gaussian(1.0), -0.1), InputValueError, "sample_rate"),

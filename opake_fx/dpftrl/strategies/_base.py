@@ -13,6 +13,7 @@ from opake_fx.dpftrl import sensitivity as _sens
 from opake_fx.dpftrl.streaming import StreamingInverse
 from opake_fx.dpftrl.workloads import Workload, prefix_workload
 from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.typing import typechecked
 
 __all__ = ["Strategy", "Reduction", "strategy_from_dict"]
 
@@ -264,6 +265,7 @@ class ToeplitzLike(Strategy):
 # ------------------------------------------------------------------- helpers
 
 
+@typechecked
 def strategy_from_dict(data: dict[str, Any]) -> Strategy:
     """Rebuilds a strategy from :meth:`Strategy.to_dict` output.
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Literal
+from numbers import Integral
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ from opake_fx.dpftrl.strategies._base import (
 from opake_fx.dpftrl.streaming import BandedSolve, IdentityInverse, StreamingInverse
 from opake_fx.dpftrl.workloads import Workload, resolve_workload
 from opake_fx.errors import InputValueError
+from opake_fx.typing import typechecked
 
 __all__ = [
     "IdentityStrategy",
@@ -46,8 +48,6 @@ __all__ = [
     "band_mf_strategy",
     "bsr_strategy",
 ]
-
-Structure = Literal["toeplitz", "column_normalized"]
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -196,7 +196,8 @@ class BandedStrategy(Strategy):
 # ------------------------------------------------------------------ factories
 
 
-def identity_strategy(n_steps: int | None = None) -> IdentityStrategy:
+@typechecked
+def identity_strategy(n_steps: Integral | None = None) -> IdentityStrategy:
     """``C = I``: independent noise at every step, i.e. DP-SGD.
 
     Privacy: each step is the Gaussian mechanism; the sensitivity under b-min-sep
@@ -210,14 +211,17 @@ def identity_strategy(n_steps: int | None = None) -> IdentityStrategy:
     return IdentityStrategy(check_n_steps(n_steps, "identity_strategy", allow_none=True))
 
 
+# structure and reduction are hinted str (not the Literals): another string is a wrong
+# value, reported as an InputValueError by the checks in the body.
+@typechecked
 def band_mf_strategy(
-    n_steps: int,
-    bands: int,
+    n_steps: Integral,
+    bands: Integral,
     *,
     workload: Workload | None = None,
-    structure: Structure = "toeplitz",
-    reduction: Reduction = "mean",
-    max_iterations: int = 250,
+    structure: str = "toeplitz",
+    reduction: str = "mean",
+    max_iterations: Integral = 250,
     progress: bool | None = None,
 ) -> Strategy:
     """BandMF: a ``bands``-banded ``C`` optimised for the workload's mean or max error.
@@ -265,7 +269,8 @@ def band_mf_strategy(
     return BandedStrategy(n, band.numpy(), name="band_mf")
 
 
-def bsr_strategy(n_steps: int, bandwidth: int, *, workload: Workload | None = None) -> Strategy:
+@typechecked
+def bsr_strategy(n_steps: Integral, bandwidth: Integral, *, workload: Workload | None = None) -> Strategy:
     """Banded Square Root (Kalinin and Lampert 2024): ``C`` = the first ``bandwidth`` diagonals of ``A^{1/2}``.
 
     Closed form, no optimisation. For a Toeplitz workload (prefix sums, momentum with

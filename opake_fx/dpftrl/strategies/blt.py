@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 from typing import Any
 
 import numpy as np
 import torch
 
 from opake_fx.dpftrl import _optim, _toeplitz
-from opake_fx.dpftrl.strategies._base import Reduction, ToeplitzLike, _int, check_n_steps, frozen
+from opake_fx.dpftrl.strategies._base import ToeplitzLike, _int, check_n_steps, frozen
 from opake_fx.dpftrl.strategies.banded import _check_reduction, _show_progress, toeplitz_loss_fn
 from opake_fx.dpftrl.streaming import BltSolve, StreamingInverse
 from opake_fx.dpftrl.workloads import Workload, resolve_workload
 from opake_fx.errors import InputValueError
+from opake_fx.typing import typechecked
 
 __all__ = ["BltStrategy", "blt_strategy"]
 
@@ -85,16 +87,17 @@ class BltStrategy(ToeplitzLike):
         return cls(data["n_steps"], np.asarray(data["buf_decay"]), np.asarray(data["output_scale"]), data.get("name", "blt"))
 
 
+@typechecked
 def blt_strategy(
-    n_steps: int,
-    max_buffers: int = 6,
-    min_sep: int = 1,
-    max_participations: int | None = 1,
+    n_steps: Integral,
+    max_buffers: Integral = 6,
+    min_sep: Integral = 1,
+    max_participations: Integral | None = 1,
     *,
     workload: Workload | None = None,
-    reduction: Reduction = "mean",
-    rtol: float = 1.01,
-    max_iterations: int = 400,
+    reduction: str = "mean",
+    rtol: Real = 1.01,
+    max_iterations: Integral = 400,
     progress: bool | None = None,
 ) -> BltStrategy:
     """An optimised BLT for ``n_steps`` steps under b-min-sep participation.
@@ -128,7 +131,7 @@ def blt_strategy(
     k = None if max_participations is None else _int(max_participations, "max_participations")
     work = resolve_workload(workload, n, "blt_strategy")
     _check_reduction(reduction, "blt_strategy")
-    if not (isinstance(rtol, (int, float)) and rtol >= 1.0):
+    if isinstance(rtol, bool) or not (isinstance(rtol, Real) and rtol >= 1.0):
         raise InputValueError(f"blt_strategy: rtol must be a number >= 1; got {rtol!r}.")
     show = _show_progress(progress, n)
     loss_c = toeplitz_loss_fn(work, reduction, b, k)

@@ -15,6 +15,7 @@ noise row (``n - 1`` buffers); that is what BandMF and BLT avoid.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral, Real
 from typing import Any
 
 import numpy as np
@@ -22,11 +23,12 @@ import torch
 
 from opake_fx.dpftrl import _optim
 from opake_fx.dpftrl import sensitivity as _sens
-from opake_fx.dpftrl.strategies._base import Reduction, Strategy, _int, check_n_steps, frozen
+from opake_fx.dpftrl.strategies._base import Strategy, _int, check_n_steps, frozen
 from opake_fx.dpftrl.strategies.banded import _show_progress
 from opake_fx.dpftrl.streaming import DenseSolve, StreamingInverse
 from opake_fx.dpftrl.workloads import Workload, resolve_workload
 from opake_fx.errors import InputValueError
+from opake_fx.typing import typechecked
 
 __all__ = ["DenseStrategy", "dense_strategy"]
 
@@ -75,16 +77,17 @@ class DenseStrategy(Strategy):
         return cls(data["n_steps"], np.asarray(data["matrix"]), int(data.get("epochs", 1)), data.get("name", "dense"))
 
 
+@typechecked
 def dense_strategy(
-    n_steps: int,
-    epochs: int = 1,
+    n_steps: Integral,
+    epochs: Integral = 1,
     *,
     workload: Workload | None = None,
-    reduction: Reduction = "mean",
-    max_iterations: int = 300,
-    ftol: float = 1e-6,
-    gtol: float = 1e-9,
-    threads: int | None = 1,
+    reduction: str = "mean",
+    max_iterations: Integral = 300,
+    ftol: Real = 1e-6,
+    gtol: Real = 1e-9,
+    threads: Integral | None = 1,
     progress: bool | None = None,
 ) -> DenseStrategy:
     """The optimal dense ``C`` for ``epochs`` fixed-order passes (mean error).

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from opake_fx.dpftrl.strategies.banded import _matrix_to_band, _show_progress, l
 from opake_fx.dpftrl.streaming import BandedInverseApply, StreamingInverse
 from opake_fx.dpftrl.workloads import Workload, resolve_workload
 from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.typing import typechecked
 
 __all__ = ["InverseToeplitzStrategy", "InverseBandedStrategy", "bisr_strategy", "lambda_cgd_strategy"]
 
@@ -133,16 +135,17 @@ class InverseBandedStrategy(Strategy):
         return cls(data["n_steps"], np.asarray(data["rows"]), bool(data.get("replay", False)), data.get("name", "inverse_banded"))
 
 
+@typechecked
 def bisr_strategy(
-    n_steps: int,
-    bandwidth: int,
+    n_steps: Integral,
+    bandwidth: Integral,
     *,
     workload: Workload | None = None,
     optimize: bool = False,
-    min_sep: int = 1,
-    max_participations: int | None = 1,
+    min_sep: Integral = 1,
+    max_participations: Integral | None = 1,
     replay: bool = False,
-    max_iterations: int = 100,
+    max_iterations: Integral = 100,
     progress: bool | None = None,
 ) -> Strategy:
     """Banded Inverse Square Root: ``C^{-1}`` = first ``bandwidth`` diagonals of ``A^{-1/2}``.
@@ -188,7 +191,8 @@ def bisr_strategy(
     return InverseToeplitzStrategy(n, d.numpy(), replay=replay, name="bisr")
 
 
-def lambda_cgd_strategy(lambda_: float, n_steps: int | None = None) -> InverseToeplitzStrategy:
+@typechecked
+def lambda_cgd_strategy(lambda_: Real, n_steps: Integral | None = None) -> InverseToeplitzStrategy:
     """Anti-correlated noise ``z_t - lambda z_{t-1}`` (Koloskova et al. 2023).
 
     ``C^{-1} = I - lambda S`` (``S`` the shift), so ``C`` is Toeplitz with coefficients
@@ -205,7 +209,7 @@ def lambda_cgd_strategy(lambda_: float, n_steps: int | None = None) -> InverseTo
         >>> s.materialize()[3].tolist()
         [0.125, 0.25, 0.5, 1.0]
     """
-    if isinstance(lambda_, bool) or not isinstance(lambda_, (int, float)) or not math.isfinite(float(lambda_)):
+    if isinstance(lambda_, bool) or not isinstance(lambda_, Real) or not math.isfinite(float(lambda_)):
         raise InputTypeError(f"lambda_cgd_strategy: lambda_ must be a finite number; got {lambda_!r}.")
     lam = float(lambda_)
     if not 0.0 <= lam <= 1.0:
