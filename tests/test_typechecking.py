@@ -110,3 +110,12 @@ def test_per_step_functions_are_not_wrapped():
         assert not hasattr(fn, "__wrapped__"), fn
     for fn in (acc.compose, acc.repeat, sgd, PoissonSampler.__init__):
         assert hasattr(fn, "__wrapped__"), fn
+
+
+def test_a_wrong_type_error_says_how_to_fix_it():
+    from opake_fx.scheduling import with_warmup
+
+    with pytest.raises(InputTypeError, match=r"parameter schedule=0\.1 .*wrap a number as constant\(value\)"):
+        with_warmup(0.1, 10)
+    with pytest.raises(InputTypeError, match=r"parameter noise_multiplier='1' .*opake_fx\.accounting\.calibrate"):
+        dpsgd_acc.gaussian("1")
