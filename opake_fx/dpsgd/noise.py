@@ -16,7 +16,7 @@ import torch
 
 from opake_fx._noise_input import check_clipped_input, check_noise_multiplier
 from opake_fx.typing import typechecked
-from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.errors import InputTypeError
 from opake_fx.pytree import tree_flatten_with_paths
 from opake_fx.random import RngKey, flat_tree_normal, fold_in, tree_normal
 from opake_fx.transforms import Transform
@@ -80,13 +80,6 @@ def gaussian_noise(
         (0.5, 1)
     """
     check_noise_multiplier(noise_multiplier)
-    if not isinstance(key, RngKey):
-        raise InputTypeError(
-            f"gaussian_noise needs key=opake_fx.random.key(seed); got {type(key).__name__}. "
-            "Use the same key on every rank so all ranks add identical noise."
-        )
-    if allocation not in ("optimal", "isotropic"):
-        raise InputValueError(f"allocation must be 'optimal' or 'isotropic'; got {allocation!r}.")
 
     def noise_fn(clipped: ClippedPytree, state: GaussianNoiseState) -> tuple[NoisedPytree, GaussianNoiseState]:
         check_clipped_input(clipped, noise_multiplier, mechanism="gaussian_noise")
