@@ -85,26 +85,28 @@ def minimize(
         raise ValueError("minimize: the starting point is infeasible (loss is not finite).")
     s_hist: list[torch.Tensor] = []
     y_hist: list[torch.Tensor] = []
+    sy_hist: list[float] = []  # s.y of each pair, computed once (not in every two-loop pass)
     bar = _Progress(max_iterations, desc) if progress else None
     reason = "max_iterations"
     it = 0
     try:
         for it in range(1, max_iterations + 1):
-            if float(g.abs().max()) <= gtol:
+            if float(torch.linalg.vector_norm(g, math.inf)) <= gtol:
                 reason = "gtol"
                 it -= 1
                 break
-            d = -_two_loop(g, s_hist, y_hist)
+            d = _two_loop(g, s_hist, y_hist, sy_hist).neg_()
             gd = float(torch.dot(g.reshape(-1), d.reshape(-1)))
             if not gd < 0:
                 s_hist.clear()
                 y_hist.clear()
+                sy_hist.clear()
                 d = -g
                 gd = -float(torch.dot(g.reshape(-1), g.reshape(-1)))
             step = 1.0 if s_hist else min(1.0, 1.0 / max(float(g.abs().sum()), 1e-300))
             accepted = False
             for _ in range(60):
-                x_new = x + step * d
+                x_new = torch.add(x, d, alpha=step)
                 f_new, g_new = fun(x_new)
                 evaluations += 1
                 if bool(torch.isfinite(f_new)) and float(f_new) <= float(f) + 1e-4 * step * gd:
@@ -120,9 +122,11 @@ def minimize(
             if sy > 1e-12 * float(s.norm() * y.norm()):
                 s_hist.append(s)
                 y_hist.append(y)
+                sy_hist.append(sy)
                 if len(s_hist) > memory:
                     s_hist.pop(0)
                     y_hist.pop(0)
+                    sy_hist.pop(0)
             decrease = float(f) - float(f_new)
             x, f, g = x_new, f_new, g_new
             if bar is not None:
@@ -136,21 +140,23 @@ def minimize(
     return OptimizeResult(x=x, loss=float(f), iterations=it, evaluations=evaluations, reason=reason)
 
 
-def _two_loop(g: torch.Tensor, s_hist: list[torch.Tensor], y_hist: list[torch.Tensor]) -> torch.Tensor:
+def _two_loop(g: torch.Tensor, s_hist: list[torch.Tensor], y_hist: list[torch.Tensor], sy_hist: list[float]) -> torch.Tensor:
     """The L-BFGS two-loop recursion: an approximation of ``H^{-1} g``."""
+    # In place on one buffer: strategy variables can be n x n matrices (1M entries at
+    # n = 1024), where every temporary costs a pass over memory and fresh pages.
     q = g.clone()
     alphas = []
-    for s, y in zip(reversed(s_hist), reversed(y_hist)):
-        rho = 1.0 / float(torch.dot(y.reshape(-1), s.reshape(-1)))
+    for s, y, sy in zip(reversed(s_hist), reversed(y_hist), reversed(sy_hist)):
+        rho = 1.0 / sy
         a = rho * float(torch.dot(s.reshape(-1), q.reshape(-1)))
         alphas.append((a, rho))
-        q = q - a * y
+        q.add_(y, alpha=-a)
     if s_hist:
         s, y = s_hist[-1], y_hist[-1]
-        q = q * (float(torch.dot(s.reshape(-1), y.reshape(-1))) / float(torch.dot(y.reshape(-1), y.reshape(-1))))
+        q.mul_(sy_hist[-1] / float(torch.dot(y.reshape(-1), y.reshape(-1))))
     for (s, y), (a, rho) in zip(zip(s_hist, y_hist), reversed(alphas)):
         b = rho * float(torch.dot(y.reshape(-1), q.reshape(-1)))
-        q = q + (a - b) * s
+        q.add_(s, alpha=a - b)
     return q
 
 

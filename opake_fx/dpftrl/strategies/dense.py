@@ -158,13 +158,16 @@ def _optimize_dense(work: Workload, n: int, k: int, max_iterations: int, ftol: f
             return torch.tensor(float("inf"), dtype=torch.float64), torch.zeros_like(x)
         w = torch.linalg.solve_triangular(chol, a.T, upper=False)  # L^{-1} A^T: loss = ||W||^2 / n
         v = torch.linalg.solve_triangular(chol.T, w, upper=True)  # X^{-1} A^T
-        return (w * w).sum() / n, -(v @ v.T) / n  # gradient -X^{-1} A^T A X^{-1} / n
+        loss = torch.linalg.vector_norm(w).square() / n
+        return loss, torch.mm(v, v.T).mul_(-1.0 / n)  # gradient -X^{-1} A^T A X^{-1} / n
 
-    def project(g: torch.Tensor) -> torch.Tensor:
-        g = torch.where(keep, g, torch.zeros((), dtype=g.dtype))
+    drop = ~keep
+
+    def project(g: torch.Tensor) -> torch.Tensor:  # in place: g is a fresh gradient from fun
+        g.masked_fill_(drop, 0.0)
         diag = torch.diagonal(g)
-        class_mean = diag.reshape(k, b).mean(0).repeat(k)
-        return g - torch.diag(class_mean)
+        diag.sub_(diag.reshape(k, b).mean(0).repeat(k))
+        return g
 
     x0 = _initial_gram(work, b, k)
     result = _optim.minimize(
