@@ -8,7 +8,7 @@ torch-free part such as ``opake_fx.accounting`` or ``opake_fx.errors`` does not 
 torch.
 """
 
-import importlib as _importlib
+from opake_fx import _lazy
 import pkgutil as _pkgutil
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
@@ -54,17 +54,4 @@ if _TYPE_CHECKING:  # static analysers see the eager imports
     from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup
 
 
-def __getattr__(name: str) -> object:
-    module = _EXPORTS.get(name)
-    if module is not None:
-        value = getattr(_importlib.import_module(module), name)
-        globals()[name] = value  # later look-ups skip this function
-        return value
-    if name in _SUBMODULES:
-        return _importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    public = {n for n in globals() if not n.startswith("_") or (n.startswith("__") and n.endswith("__"))}
-    return sorted(public | set(__all__) | _SUBMODULES)
+__getattr__, __dir__ = _lazy.attach(__name__, globals(), _EXPORTS, _SUBMODULES)

@@ -14,7 +14,7 @@ below and the submodules are loaded on first access (PEP 562), so importing
 ``opake_fx.dpsgd.accounting`` does not import torch.
 """
 
-import importlib as _importlib
+from opake_fx import _lazy
 import sys as _sys
 import types as _types
 from typing import TYPE_CHECKING as _TYPE_CHECKING
@@ -80,17 +80,4 @@ class _Package(_types.ModuleType):
 _sys.modules[__name__].__class__ = _Package
 
 
-def __getattr__(name: str) -> object:
-    module = _EXPORTS.get(name)
-    if module is not None:
-        value = getattr(_importlib.import_module(module), name)
-        globals()[name] = value  # later look-ups skip this function
-        return value
-    if name in _SUBMODULES:
-        return _importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    public = {n for n in globals() if not n.startswith("_") or (n.startswith("__") and n.endswith("__"))}
-    return sorted(public | set(__all__) | _SUBMODULES)
+__getattr__, __dir__ = _lazy.attach(__name__, globals(), _EXPORTS, _SUBMODULES)
