@@ -22,13 +22,20 @@ from tests.distributed._recipe import accuracy, max_abs_diff, train
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "distributed_dp_training.py"
 
+# After the tutorial has returned (its last line is dist.destroy_process_group()), the
+# wrapper leaves with os._exit: torch 2.13's interpreter teardown after a gloo group
+# occasionally aborts a rank with "terminate called without an active exception" (once in
+# ~12 runs here, after all output); that is torch's teardown, not the tutorial's run.
 _WRAPPER = '''
-import runpy, sys, torch
+import os, runpy, sys, torch
 script, out = sys.argv[1], sys.argv[2]
 g = runpy.run_path(script, run_name="__main__")
 if g["rank"] == 0:
     torch.save({"params": [p.detach().cpu() for p in g["params"]],
                 "noise_multiplier": g["noise_multiplier"]}, out)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 '''
 
 
