@@ -18,6 +18,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q --doctest-modules opake_fx
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
