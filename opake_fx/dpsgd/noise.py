@@ -10,13 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from opake_fx._noise_input import check_clipped_input, check_noise_multiplier
 from opake_fx.typing import typechecked
-from opake_fx.errors import InputTypeError
+from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import tree_flatten_with_paths
 from opake_fx.random import RngKey, flat_tree_normal, fold_in, tree_normal
 from opake_fx.transforms import Transform
@@ -24,7 +24,9 @@ from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup
 
 __all__ = ["GaussianNoiseState", "gaussian_noise", "noise", "noise_stddev_for"]
 
-Allocation = Literal["optimal", "isotropic"]
+# The per-group allocations. Hinted ``str`` rather than a Literal, so that another string is
+# reported as a wrong value (InputValueError naming the options), as elsewhere in the library.
+_ALLOCATIONS = ("optimal", "isotropic")
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ def gaussian_noise(
     *,
     noise_multiplier: float,
     key: RngKey,
-    allocation: Allocation = "optimal",
+    allocation: str = "optimal",
     exact: bool = False,
 ) -> tuple[Callable[[ClippedPytree, GaussianNoiseState], tuple[NoisedPytree, GaussianNoiseState]], GaussianNoiseState]:
     """Makes the Gaussian mechanism for :class:`~opake_fx.types.ClippedPytree` inputs.
@@ -80,6 +82,7 @@ def gaussian_noise(
         (0.5, 1)
     """
     check_noise_multiplier(noise_multiplier)
+    _check_allocation(allocation)
 
     def noise_fn(clipped: ClippedPytree, state: GaussianNoiseState) -> tuple[NoisedPytree, GaussianNoiseState]:
         check_clipped_input(clipped, noise_multiplier, mechanism="gaussian_noise")
@@ -117,7 +120,7 @@ def gaussian_noise(
 
 
 @typechecked
-def noise(*, noise_multiplier: float, key: RngKey, allocation: Allocation = "optimal") -> Transform:
+def noise(*, noise_multiplier: float, key: RngKey, allocation: str = "optimal") -> Transform:
     """:func:`gaussian_noise` as a chain stage (``ClippedPytree`` in, ``NoisedPytree`` out).
 
     Privacy: as :func:`gaussian_noise`.
@@ -131,7 +134,7 @@ def noise(*, noise_multiplier: float, key: RngKey, allocation: Allocation = "opt
 
 
 @typechecked
-def noise_stddev_for(max_norm: float | PerGroup, noise_multiplier: float, allocation: Allocation = "optimal") -> float | PerGroup:
+def noise_stddev_for(max_norm: float | PerGroup, noise_multiplier: float, allocation: str = "optimal") -> float | PerGroup:
     """The stddev the Gaussian mechanism adds for a given ``max_norm``.
 
     Scalar: ``noise_multiplier * max_norm``. Per group with norms ``C_g``: optimal
@@ -140,6 +143,7 @@ def noise_stddev_for(max_norm: float | PerGroup, noise_multiplier: float, alloca
     ``sum_g C_g**2 / std_g**2 = noise_multiplier**-2``, i.e. the privacy of
     ``gaussian(noise_multiplier)``.
     """
+    _check_allocation(allocation)
     if isinstance(max_norm, PerGroup):
         if allocation == "isotropic" or noise_multiplier == 0.0:
             return noise_multiplier * max_norm.effective
@@ -148,3 +152,8 @@ def noise_stddev_for(max_norm: float | PerGroup, noise_multiplier: float, alloca
     if noise_multiplier == 0.0:
         return 0.0
     return noise_multiplier * float(max_norm)
+
+
+def _check_allocation(allocation: str) -> None:
+    if allocation not in _ALLOCATIONS:
+        raise InputValueError(f"allocation must be 'optimal' or 'isotropic'; got {allocation!r}.")

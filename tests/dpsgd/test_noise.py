@@ -82,8 +82,13 @@ def test_bad_noise_multiplier(nm):
 def test_int_seed_instead_of_key_is_refused():
     with pytest.raises(InputTypeError, match=r"parameter key=42 .*opake_fx\.random\.key\(seed\)"):
         gaussian_noise(noise_multiplier=1.0, key=42)  # type: ignore[arg-type]
-    with pytest.raises(InputTypeError, match=r"parameter allocation='even'"):
-        gaussian_noise(noise_multiplier=1.0, key=key(0), allocation="even")  # type: ignore[arg-type]
+
+
+def test_unknown_allocation_is_a_value_error():
+    with pytest.raises(InputValueError, match=r"allocation must be 'optimal' or 'isotropic'; got 'even'"):
+        gaussian_noise(noise_multiplier=1.0, key=key(0), allocation="even")
+    with pytest.raises(InputValueError, match="allocation"):
+        noise_stddev_for(1.0, 1.0, "even")
 
 
 def test_per_group_allocation_costs_the_same_privacy():
