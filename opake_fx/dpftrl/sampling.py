@@ -41,7 +41,7 @@ import torch
 from scipy import special
 from torch.utils.data import Sampler
 
-from opake_fx.dpsgd.sampling import _check_count, _check_key, _check_sample_rate, _dataset_size, _poisson_indices
+from opake_fx.dpsgd.sampling import _check_count, _check_sample_rate, _dataset_size, _poisson_indices
 from opake_fx.errors import InputTypeError, InputValueError, OperationError
 from opake_fx.random import RngKey, bits, fold_in, normal
 from opake_fx.typing import typechecked
@@ -64,7 +64,7 @@ class _KeyedSampler(Sampler[list[int]]):
         self.n_steps: int = _check_count(n_steps, "n_steps", name, minimum=1)
         if self.n_steps >= 2**31:
             raise InputValueError(f"{name}: n_steps must be below 2**31; got {self.n_steps}.")
-        self.key: RngKey = _check_key(key, name)
+        self.key: RngKey = key  # type-checked by every public constructor
         self._next_step = 0
 
     @property
