@@ -302,19 +302,22 @@ def tree_normal(k: RngKey, like_tree: Any, *, exact: bool = False) -> Any:
     return optree.tree_unflatten(treedef, draws)
 
 
-def flat_tree_normal(k: RngKey, leaves: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Standard normals for a list of tensors from ONE draw per (device, dtype).
+def flat_tree_normal(
+    k: RngKey, leaves: Sequence[torch.Tensor], *, stddev: float = 1.0
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Normals ``N(0, stddev^2)`` for a list of tensors from ONE draw per (device, dtype).
 
     The cheap way to noise a whole gradient: leaves are grouped by device and dtype (in
     order of first appearance); group ``j`` draws one flat ``torch.randn`` of its total
     size from the generator of ``split(k, n_groups)[j]``, and each leaf gets the next
     ``numel`` values, reshaped. Deterministic per key, leaf shapes, dtypes and device
     types; not the same numbers as :func:`tree_normal` (which seeds a generator per leaf).
-    A CPU draw of more than 2**20 values is cut into 2**20-value chunks, chunk ``c`` drawn
+    A CPU draw of more than 2**19 values is cut into 2**19-value chunks, chunk ``c`` drawn
     by the generator of ``split(group_key, n_chunks)[c]``, and the chunks are drawn on
-    ``torch.get_num_threads()`` threads (torch's CPU ``randn`` is single-threaded); the
-    chunking depends only on the size, so the numbers do not depend on the thread count.
-    (Draws of fewer than 4 chunks are drawn chunk by chunk on the calling thread.)
+    ``torch.get_num_threads()`` threads (torch's CPU generator is serial); the chunking
+    depends only on the size, so the numbers do not depend on the thread count.
+    ``stddev`` scales inside the generator's kernel (``stddev * z``, no extra pass over
+    the draw); the standard normals ``z`` are the same for every ``stddev``.
 
     Returns:
         ``(draws, buffers)``: ``draws[i]`` is shaped like ``leaves[i]`` and is a view
@@ -334,33 +337,34 @@ def flat_tree_normal(k: RngKey, leaves: Sequence[torch.Tensor]) -> tuple[list[to
     subkeys = split(k, len(groups)) if groups else ()
     for ((device, dtype), members), gk in zip(groups.items(), subkeys):
         sizes = [leaves[i].numel() for i in members]
-        flat = _keyed_randn(gk, sum(sizes), dtype, device)
+        flat = _keyed_randn(gk, sum(sizes), dtype, device, stddev)
         buffers.append(flat)
         for i, part in zip(members, torch.split(flat, sizes)):
             draws[i] = part.view(leaves[i].shape)
     return draws, buffers  # type: ignore[return-value]
 
 
-_CPU_CHUNK = 1 << 20
-# Below 4 chunks, a thread pool's dispatch and its competition with torch's own intra-op
-# threads ate the gain in measurements (1.28M values: no gain; 4M: 1.4x; 10M: 1.7x on 2 cores).
-_PARALLEL_MIN_CHUNKS = 4
+# torch's CPU normal_ draws its uniforms serially (~2 ns each) and only transforms them on
+# its intra-op threads, so chunks drawn on a thread pool scale. 2**19 keeps draws of a
+# million values (an embedding table's gradient) in 2-3 chunks: 1.28M values 4.7 -> 3.1 ms,
+# 0.8M 2.8 -> 2.1 ms on 2 cores; smaller chunks pay more generator set-ups (~25 us each).
+_CPU_CHUNK = 1 << 19
 _pool: Any = None
 _pool_size = 0
 
 
-def _keyed_randn(k: RngKey, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``n`` standard normals from key ``k``: one generator, or parallel chunks on the CPU."""
+def _keyed_randn(k: RngKey, n: int, dtype: torch.dtype, device: torch.device, stddev: float = 1.0) -> torch.Tensor:
+    """``n`` normals ``N(0, stddev^2)`` from key ``k``: one generator, or parallel chunks on the CPU."""
     if device.type != "cpu" or n <= _CPU_CHUNK:
         (gen,) = _keyed_generators([k], [device])
-        return torch.randn(n, generator=gen, dtype=dtype, device=device)
+        return torch.empty(n, dtype=dtype, device=device).normal_(0.0, stddev, generator=gen)
     out = torch.empty(n, dtype=dtype)
     chunks = torch.split(out, _CPU_CHUNK)
     gens = _keyed_generators(list(split(k, len(chunks))), [device] * len(chunks))
-    workers = min(torch.get_num_threads(), len(chunks))
-    if workers <= 1 or len(chunks) < _PARALLEL_MIN_CHUNKS:
+    workers = torch.get_num_threads()  # the pool keeps this size whatever the chunk count
+    if workers <= 1:
         for chunk, gen in zip(chunks, gens):
-            chunk.normal_(generator=gen)
+            chunk.normal_(0.0, stddev, generator=gen)
         return out
     global _pool, _pool_size
     if _pool is None or _pool_size != workers:
@@ -369,7 +373,7 @@ def _keyed_randn(k: RngKey, n: int, dtype: torch.dtype, device: torch.device) ->
         if _pool is not None:
             _pool.shutdown(wait=False)
         _pool, _pool_size = ThreadPoolExecutor(workers, thread_name_prefix="opake_fx-randn"), workers
-    list(_pool.map(lambda cg: cg[0].normal_(generator=cg[1]), zip(chunks, gens)))
+    list(_pool.map(lambda cg: cg[0].normal_(0.0, stddev, generator=cg[1]), zip(chunks, gens)))
     return out
 
 

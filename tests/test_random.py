@@ -213,9 +213,20 @@ def test_flat_tree_normal_large_draws_do_not_depend_on_the_thread_count():
         torch.set_num_threads(before)
     assert torch.equal(one, two)
     # chunks come from distinct keys: no two chunks repeat each other
-    assert not torch.equal(one[: 2**20], one[2**20 : 2**21])
+    assert not torch.equal(one[: 2**19], one[2**19 : 2**20])
     n = one.numel()
     assert abs(float(one.mean())) < 5 / n**0.5 and abs(float(one.var()) - 1) < 5 * (2 / n) ** 0.5
+
+
+def test_flat_tree_normal_stddev_scales_the_same_standard_normals():
+    from opake_fx.random import flat_tree_normal
+
+    leaves = [torch.zeros(3, 5), torch.zeros(2**19 + 7)]  # the second is drawn in chunks
+    unit, _ = flat_tree_normal(key(21), leaves)
+    scaled, _ = flat_tree_normal(key(21), leaves, stddev=2.5)
+    for z, s in zip(unit, scaled):
+        assert torch.allclose(s, 2.5 * z, rtol=1e-6, atol=0)
+    assert not torch.equal(unit[1], scaled[1])
 
 
 def test_generator_state_is_the_splitmix64_expansion_of_the_seed():

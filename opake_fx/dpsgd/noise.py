@@ -103,13 +103,10 @@ def gaussian_noise(
                 torch.add(leaf, z, alpha=std if stds is None else stds[i]) for i, (leaf, z) in enumerate(zip(leaves, draws))
             ]
         else:
-            # One draw per device and dtype, scaled in one kernel, then one fused add per leaf:
-            # the outputs are views into the draw buffers (no extra parameter-sized temporaries).
-            noised_leaves, buffers = flat_tree_normal(step_key, leaves)
-            if stds is None:
-                for buf in buffers:
-                    buf.mul_(std)
-            elif noised_leaves:
+            # One draw per device and dtype, scaled by the generator's kernel, then one fused add
+            # per leaf: the outputs are views into the draw buffers (no parameter-sized temporaries).
+            noised_leaves, _ = flat_tree_normal(step_key, leaves, stddev=1.0 if stds is not None else float(std))
+            if stds is not None and noised_leaves:
                 torch._foreach_mul_(noised_leaves, stds)
             if noised_leaves:
                 torch._foreach_add_(noised_leaves, leaves)

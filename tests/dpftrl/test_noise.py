@@ -93,7 +93,8 @@ def test_identity_strategy_equals_dp_sgd_noise_with_the_same_key():
         g = ClippedPytree({"w": torch.zeros(4, 3)}, max_norm=0.5)
         a, mf_state = mf_fn(g, mf_state)
         b, sgd_state = sgd_fn(g, sgd_state)
-        assert torch.equal(a.pytree["w"], b.pytree["w"])
+        # the same normals; DP-SGD scales them inside the generator's kernel (last-bit rounding)
+        torch.testing.assert_close(a.pytree["w"], b.pytree["w"], rtol=1e-6, atol=0)
         assert a.noise_stddev == pytest.approx(b.noise_stddev)
 
 
