@@ -204,6 +204,24 @@ def test_conv2d(backend: str, cfg: dict, monkeypatch: pytest.MonkeyPatch) -> Non
     assert_matches(model, mse, x, targets(model, x), backend, monkeypatch)
 
 
+@pytest.mark.parametrize("backend", ["ghost", "auto"])
+@pytest.mark.parametrize("layer", ["conv", "linear-seq"])
+def test_rules_cut_the_batch_into_chunks_exactly(backend: str, layer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from opake_fx.dpsgd.clipping import _layers
+
+    monkeypatch.setattr(_layers, "_CHUNK_ELEMS", 64)  # every example a chunk of its own
+    monkeypatch.setattr(_layers, "_CACHE_ELEMS", 16)
+    torch.manual_seed(6)
+    if layer == "conv":
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
+        x = torch.randn(7, 3, 5, 5, dtype=torch.float64)
+    else:
+        model = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 2))
+        x = torch.randn(7, 4, 6, dtype=torch.float64)
+    model.double()(x)
+    assert_matches(model, mse, x, targets(model, x), backend, monkeypatch)
+
+
 CONV1D = [
     dict(kernel_size=3),
     dict(kernel_size=4, stride=2, padding=2, dilation=2),

@@ -38,8 +38,10 @@ from opake_fx.dpsgd.clipping._compat import checkpoint_passthrough
 Method = Literal["ghost", "pe"]
 
 # Largest transient (in elements) that a rule builds at once: unfolded patches and
-# Gram matrices are formed for slices of the batch under this bound.
-_CHUNK_ELEMS = 1 << 23
+# Gram matrices are formed for slices of the batch under this bound. 2 MiB of float32:
+# transients stay in cache and are reused by the allocator instead of being faulted in
+# fresh each step (cnn-256 step, 2 threads: 61-84 ms at 2**23, 55-59 ms at 2**19).
+_CHUNK_ELEMS = 1 << 19
 # Per-example weight gradients are formed this many elements at a time (about L2 size),
 # so their norms are read back from cache.
 _CACHE_ELEMS = 1 << 18
