@@ -312,9 +312,9 @@ def flat_tree_normal(
     size from the generator of ``split(k, n_groups)[j]``, and each leaf gets the next
     ``numel`` values, reshaped. Deterministic per key, leaf shapes, dtypes and device
     types; not the same numbers as :func:`tree_normal` (which seeds a generator per leaf).
-    A CPU draw of more than 2**19 values is cut into 2**19-value chunks, chunk ``c`` drawn
-    by the generator of ``split(group_key, n_chunks)[c]``, and the chunks are drawn on
-    ``torch.get_num_threads()`` threads (torch's CPU generator is serial); the chunking
+    A CPU draw of more than 2**20 values is cut into 2**20-value chunks, chunk ``c`` drawn
+    by the generator of ``split(group_key, n_chunks)[c]``; from 4 chunks on they are drawn
+    on ``torch.get_num_threads()`` threads (torch's CPU generator is serial). The chunking
     depends only on the size, so the numbers do not depend on the thread count.
     ``stddev`` scales inside the generator's kernel (``stddev * z``, no extra pass over
     the draw); the standard normals ``z`` are the same for every ``stddev``.
@@ -344,11 +344,11 @@ def flat_tree_normal(
     return draws, buffers  # type: ignore[return-value]
 
 
-# torch's CPU normal_ draws its uniforms serially (~2 ns each) and only transforms them on
-# its intra-op threads, so chunks drawn on a thread pool scale. 2**19 keeps draws of a
-# million values (an embedding table's gradient) in 2-3 chunks: 1.28M values 4.7 -> 3.1 ms,
-# 0.8M 2.8 -> 2.1 ms on 2 cores; smaller chunks pay more generator set-ups (~25 us each).
-_CPU_CHUNK = 1 << 19
+_CPU_CHUNK = 1 << 20
+# Below 4 chunks, a thread pool's dispatch and its competition with torch's own intra-op
+# threads ate the gain inside a training step (1.28M values: 14.9 ms per embedding-bag step
+# with 2**19-value chunks on the pool, 13.7 ms with one generator; 10M: 1.7x faster on 2 cores).
+_PARALLEL_MIN_CHUNKS = 4
 _pool: Any = None
 _pool_size = 0
 
@@ -362,7 +362,7 @@ def _keyed_randn(k: RngKey, n: int, dtype: torch.dtype, device: torch.device, st
     chunks = torch.split(out, _CPU_CHUNK)
     gens = _keyed_generators(list(split(k, len(chunks))), [device] * len(chunks))
     workers = torch.get_num_threads()  # the pool keeps this size whatever the chunk count
-    if workers <= 1:
+    if workers <= 1 or len(chunks) < _PARALLEL_MIN_CHUNKS:
         for chunk, gen in zip(chunks, gens):
             chunk.normal_(0.0, stddev, generator=gen)
         return out

@@ -213,7 +213,7 @@ def test_flat_tree_normal_large_draws_do_not_depend_on_the_thread_count():
         torch.set_num_threads(before)
     assert torch.equal(one, two)
     # chunks come from distinct keys: no two chunks repeat each other
-    assert not torch.equal(one[: 2**19], one[2**19 : 2**20])
+    assert not torch.equal(one[: 2**20], one[2**20 : 2**21])
     n = one.numel()
     assert abs(float(one.mean())) < 5 / n**0.5 and abs(float(one.var()) - 1) < 5 * (2 / n) ** 0.5
 
@@ -221,7 +221,7 @@ def test_flat_tree_normal_large_draws_do_not_depend_on_the_thread_count():
 def test_flat_tree_normal_stddev_scales_the_same_standard_normals():
     from opake_fx.random import flat_tree_normal
 
-    leaves = [torch.zeros(3, 5), torch.zeros(2**19 + 7)]  # the second is drawn in chunks
+    leaves = [torch.zeros(3, 5), torch.zeros(4 * 2**20 + 7)]  # the second is drawn in chunks
     unit, _ = flat_tree_normal(key(21), leaves)
     scaled, _ = flat_tree_normal(key(21), leaves, stddev=2.5)
     for z, s in zip(unit, scaled):
