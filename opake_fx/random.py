@@ -347,7 +347,7 @@ def flat_tree_normal(
 _CPU_CHUNK = 1 << 20
 # Below 4 chunks, a thread pool's dispatch and its competition with torch's own intra-op
 # threads ate the gain inside a training step (1.28M values: 14.9 ms per embedding-bag step
-# with 2**19-value chunks on the pool, 13.7 ms with one generator; 10M: 1.7x faster on 2 cores).
+# with 2**19-value chunks on the pool, 13.7 ms on the calling thread; 10M: 1.7x faster on 2 cores).
 _PARALLEL_MIN_CHUNKS = 4
 _pool: Any = None
 _pool_size = 0
