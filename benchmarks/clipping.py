@@ -264,12 +264,12 @@ def setup_step(workload: str, variant: str, threads: int = THREADS) -> Callable[
 
 
 def run(workloads: list[str], variants: list[str], warmup: int, repeats: int, mem_steps: int, memory: bool,
-        threads: int = THREADS) -> list[dict[str, Any]]:
+        threads: int = THREADS, settle: int = 1) -> list[dict[str, Any]]:
     rows = []
     for w in workloads:
         t0 = time.perf_counter()
         steps = {v: setup_step(w, v, threads) for v in variants}
-        timings = profiling.time_interleaved(steps, warmup=warmup, repeats=repeats)
+        timings = profiling.time_interleaved(steps, warmup=warmup, repeats=repeats, settle=settle)
         del steps
         base = timings["non-private"].median if "non-private" in timings else math.nan
         mems: dict[str, float] = {}
@@ -306,6 +306,8 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--repeats", type=int)
+    ap.add_argument("--settle", type=int, default=1,
+                    help="untimed calls at the start of each variant's turn (default 1; 0 = time the first call)")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--threads", type=int, default=THREADS, help=f"torch threads (default {THREADS})")
     args = ap.parse_args()
@@ -317,8 +319,9 @@ def main() -> None:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     t0 = time.perf_counter()
     rows = run(workloads, variants, warmup, repeats, mem_steps=2 if args.quick else 3, memory=not args.no_memory,
-               threads=args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, warmup {warmup}, repeats {repeats} (medians); "
+               threads=args.threads, settle=args.settle)
+    print(f"torch {torch.__version__}, {args.threads} threads, warmup {warmup}, repeats {repeats}, settle {args.settle} "
+          "(medians); "
           f"load average before {load}, after {os.getloadavg() if load else None}; {time.perf_counter() - t0:.0f}s\n")
     print(table(rows))
 

@@ -42,6 +42,14 @@ class FunctionalModel:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.param_names: tuple[str, ...] = tuple(name for name, _ in model.named_parameters())
+        # Every place a parameter lives, tied copies included: (module, attribute, index into params).
+        index = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
+        self._slots: tuple[tuple[nn.Module, str, int], ...] = tuple(
+            (m, name, index[id(p)])
+            for _, m in model.named_modules(remove_duplicate=False)
+            for name, p in m._parameters.items()
+            if p is not None and id(p) in index
+        )
 
     def __call__(self, params: Sequence[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         if len(params) != len(self.param_names):
@@ -49,9 +57,16 @@ class FunctionalModel:
                 f"this model has {len(self.param_names)} parameters but {len(params)} were given; "
                 "pass the params tuple that make_functional returned (or an update of it)."
             )
-        buffers = dict(self.model.named_buffers())
-        state = {**buffers, **dict(zip(self.param_names, params))}
-        return torch.func.functional_call(self.model, state, args, kwargs)
+        # What torch.func.functional_call does for parameters (swap them into the modules,
+        # run, swap back), with the slots found once instead of on every call.
+        saved = [(m, name, m._parameters[name]) for m, name, _ in self._slots]
+        try:
+            for m, name, i in self._slots:
+                m._parameters[name] = params[i]
+            return self.model(*args, **kwargs)
+        finally:
+            for m, name, old in saved:
+                m._parameters[name] = old
 
     def named(self, params: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """``params`` as a ``{name: tensor}`` dict (e.g. to load back into the module)."""

@@ -102,22 +102,30 @@ def time_steps(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10, *, syn
 
 
 def time_interleaved(
-    fns: Mapping[str, Callable[[], Any]], warmup: int = 3, repeats: int = 10, *, sync: Callable[[], None] | None = None
+    fns: Mapping[str, Callable[[], Any]],
+    warmup: int = 3,
+    repeats: int = 10,
+    *,
+    settle: int = 0,
+    sync: Callable[[], None] | None = None,
 ) -> dict[str, Timing]:
-    """Times several variants round-robin: call 1 of each, then call 2 of each, ...
+    """Times several variants round-robin: a turn of each, then another turn of each, ...
 
     Interleaving makes a change of machine load during the run hit every variant alike,
-    so ratios between variants from one call are fair even on a shared machine.
+    so ratios between variants from one call are fair even on a shared machine. Each turn
+    makes ``settle`` untimed calls and then one timed call: the untimed calls absorb what
+    the previous variant left behind (evicted caches, memory the allocator handed back to
+    the system and must fault in again), so the timed call sees the steady state of a
+    training loop, which repeats one step. ``settle=0`` times the first call of each turn.
 
     Example:
-        >>> out = time_interleaved({"a": lambda: None, "b": lambda: None}, warmup=0, repeats=3)
+        >>> out = time_interleaved({"a": lambda: None, "b": lambda: None}, warmup=0, repeats=3, settle=1)
         >>> sorted(out), out["a"].repeats
         (['a', 'b'], 3)
     """
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise InputValueError(f"warmup must be an int >= 0; got {warmup!r}.")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise InputValueError(f"repeats must be an int >= 1; got {repeats!r}.")
+    for name, value, least in (("warmup", warmup, 0), ("repeats", repeats, 1), ("settle", settle, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise InputValueError(f"{name} must be an int >= {least}; got {value!r}.")
     if not fns:
         raise InputValueError("time_interleaved needs at least one function to time.")
     if sync is None and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -129,6 +137,8 @@ def time_interleaved(
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            for _ in range(settle):
+                fn()
             tick()
             t0 = time.perf_counter()
             fn()

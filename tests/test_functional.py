@@ -43,6 +43,36 @@ def test_make_functional_tied_weights_appear_once():
     assert len(params) == 1
 
 
+def test_tied_and_shared_parameters_all_take_the_passed_value_and_are_restored():
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(5, 3)
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+            self.block = torch.nn.Linear(3, 3)
+            self.again = self.block  # the same submodule under two names
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.again(self.block(self.emb(ids))))
+
+    torch.manual_seed(1)
+    model = Tied()
+    originals = [p for p in model.parameters()]
+    fmodel, params = make_functional(model)
+    new = tuple(torch.randn_like(p) for p in params)
+    ids = torch.tensor([[0, 3, 4]])
+    w, wb, b = new[0], new[1], new[2]  # emb/head weight, block weight, block bias
+    expected = torch.nn.functional.linear(w[ids] @ wb.T + b, wb) + b
+    torch.testing.assert_close(fmodel(new, ids), expected @ w.T)
+    # the module's own parameters are back, also after a forward that raises
+    assert all(p is q for p, q in zip(model.parameters(), originals, strict=True))
+    with pytest.raises(IndexError):
+        fmodel(new, torch.tensor([[7]]))
+    assert all(p is q for p, q in zip(model.parameters(), originals, strict=True))
+    assert model.head.weight is model.emb.weight
+
+
 def test_make_functional_errors():
     with pytest.raises(InputTypeError):
         make_functional(lambda x: x)  # type: ignore[arg-type]

@@ -31,10 +31,28 @@ def test_interleaved_runs_round_robin() -> None:
     assert set(out) == {"a", "b"} and out["b"].repeats == 2
 
 
-@pytest.mark.parametrize("bad", [dict(warmup=-1), dict(repeats=0), dict(repeats=True)])
+def test_interleaved_settle_calls_are_untimed() -> None:
+    order: list[str] = []
+    slow = {"calls": 0}
+
+    def a() -> None:  # the first call of each turn is slow; the timed one must not be
+        order.append("a")
+        slow["calls"] += 1
+        if slow["calls"] % 2 == 1:
+            time.sleep(0.05)
+
+    out = profiling.time_interleaved({"a": a, "b": lambda: order.append("b")}, warmup=0, repeats=3, settle=1)
+    assert order == ["a", "a", "b", "b"] * 3
+    assert len(out["a"].samples) == 3 and out["a"].max < 0.04
+
+
+@pytest.mark.parametrize("bad", [dict(warmup=-1), dict(repeats=0), dict(repeats=True), dict(settle=-1)])
 def test_bad_arguments(bad: dict) -> None:
+    if "settle" not in bad:
+        with pytest.raises(InputValueError):
+            profiling.time_steps(lambda: None, **bad)
     with pytest.raises(InputValueError):
-        profiling.time_steps(lambda: None, **bad)
+        profiling.time_interleaved({"a": lambda: None}, **bad)
     with pytest.raises(InputValueError):
         profiling.time_interleaved({})
 
