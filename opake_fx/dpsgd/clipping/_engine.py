@@ -201,7 +201,7 @@ def clipped_step(
     all_norms, all_weights, all_finite, all_losses, all_aux = [], [], [], [], []
     step = cfg.microbatch_size or max(batch, 1)
     for start in range(0, batch, step):
-        chunk = _slice_batch(args, cfg, start, min(start + step, batch))
+        chunk = _slice_batch(args, cfg, start, min(start + step, batch), batch)
         per_ex = backend(loss_fn, chunk, kwargs, cfg)
         if isinstance(per_ex, PerExampleNorms):
             norms = _norms_from_squares(per_ex.sq_norms, leaf_group, len(group_names))
@@ -308,7 +308,7 @@ def group_norms(grad_leaves: list[torch.Tensor], leaf_group: list[int], num_grou
 
 def batch_size_of(args: tuple[Any, ...], cfg: ClipConfig) -> int:
     """The common leading dimension of every batched argument (error if they differ)."""
-    sizes: dict[str, int] = {}
+    found: list[tuple[int, Any, int]] = []  # (argument, path, size); paths are formatted only for errors
     for i in cfg.batch_argnums:
         paths, flat, _ = tree_flatten_with_paths(args[i])
         for p, leaf in zip(paths, flat):
@@ -321,16 +321,17 @@ def batch_size_of(args: tuple[Any, ...], cfg: ClipConfig) -> int:
                 raise InputValueError(
                     f"batched argument {i} has a 0-dim tensor at {p}; batched tensors need a leading batch dimension."
                 )
-            sizes[f"argument {i}{''.join(f'[{k!r}]' for k in p)}"] = leaf.shape[0]
-    if not sizes:
+            found.append((i, p, leaf.shape[0]))
+    if not found:
         raise InputValueError(f"batch_argnums={cfg.batch_argnums} name arguments with no tensors; nothing to batch over.")
-    if len(set(sizes.values())) > 1:
-        detail = ", ".join(f"{k}: {v}" for k, v in sizes.items())
+    size = found[0][2]
+    if any(n != size for _, _, n in found):
+        detail = ", ".join(f"argument {i}{''.join(f'[{k!r}]' for k in p)}: {n}" for i, p, n in found)
         raise InputValueError(
             f"batched arguments disagree on the batch size ({detail}). Every batch_argnums tensor must have "
             "the same first dimension; check that inputs and labels come from the same batch."
         )
-    return next(iter(sizes.values()))
+    return size
 
 
 # --- private helpers ---------------------------------------------------------------
@@ -402,8 +403,8 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else torch.float32
 
 
-def _slice_batch(args: tuple[Any, ...], cfg: ClipConfig, start: int, stop: int) -> tuple[Any, ...]:
-    if start == 0 and stop == batch_size_of(args, cfg):
+def _slice_batch(args: tuple[Any, ...], cfg: ClipConfig, start: int, stop: int, batch: int) -> tuple[Any, ...]:
+    if start == 0 and stop == batch:
         return args
     return tuple(
         optree.tree_map(lambda t: t[start:stop], a, namespace=NAMESPACE) if i in cfg.batch_argnums else a

@@ -98,7 +98,7 @@ class MatmulGrad:
         self.d_in, self.dtype = d_in, dtype
         self.names = names  # role ("weight" / "bias") -> parameter name
         self.weight_shape = weight_shape
-        g = g.to(dtype)
+        g = _as_dtype(g, dtype)
         self.patches: Callable[[int, int], torch.Tensor] | None = None
         self.g: torch.Tensor | None = None
         self._pe: torch.Tensor | None = None
@@ -109,12 +109,12 @@ class MatmulGrad:
         self._sq: torch.Tensor | None = None
         if self.t == 1 and self.groups == 1:
             self._g2 = g.reshape(self.batch, self.d_out)
-            ng = row_norms(self._g2)
+            ng = row_norms(self._g2, precise=True)  # small [B, d] rows: float64 costs nothing here
             if bias_shape is not None:
                 self._bias_pe, self._bias_sq = self._g2.reshape(self.batch, *bias_shape), ng.square()
             if weight_shape is not None:  # ||g a^T|| = ||a|| ||g||, exact and overflow-free in float64
-                self._a2 = patches(0, self.batch).reshape(self.batch, d_in).to(dtype)
-                self._sq = (row_norms(self._a2) * ng).square()
+                self._a2 = _as_dtype(patches(0, self.batch).reshape(self.batch, d_in), dtype)
+                self._sq = (row_norms(self._a2, precise=True) * ng).square()
             return
         if bias_shape is not None:
             self._bias_pe = g.sum(dim=2).reshape(self.batch, *bias_shape)
@@ -126,7 +126,7 @@ class MatmulGrad:
             self.patches, self.g = patches, g
             self._sq = torch.zeros(self.batch, dtype=torch.float64, device=g.device)
             for lo, hi in self._chunks(self.groups * self.t * max(self.t, d_in)):
-                self._sq[lo:hi] = _ghost_sq_norms(patches(lo, hi).to(dtype), g[lo:hi])
+                self._sq[lo:hi] = _ghost_sq_norms(_as_dtype(patches(lo, hi), dtype), g[lo:hi])
 
     def sq_norm(self, name: str) -> torch.Tensor:
         if self._role(name) == "bias":
@@ -151,7 +151,7 @@ class MatmulGrad:
             return weighted_sum_of(self._bias_pe, w, keep)
         if self._pe is not None:
             return weighted_sum_of(self._pe, w, keep)
-        w = w.to(self.dtype)
+        w = _as_dtype(w, self.dtype)
         if self._a2 is not None and self._g2 is not None:
             a, g = self._a2, self._g2
             if keep is not None:
@@ -163,7 +163,7 @@ class MatmulGrad:
         assert self.patches is not None and self.g is not None
         total: torch.Tensor | None = None
         for lo, hi in self._chunks(self.groups * self.t * self.d_in):
-            a, g = self.patches(lo, hi).to(self.dtype), self.g[lo:hi]
+            a, g = _as_dtype(self.patches(lo, hi), self.dtype), self.g[lo:hi]
             if keep is not None:
                 a, g = _zero_rows(a, keep[lo:hi]), _zero_rows(g, keep[lo:hi])
             # Scale the narrower of a and g by the weights (fewer multiplies), then one matmul.
@@ -198,7 +198,7 @@ class MatmulGrad:
         step = max(1, min(_CHUNK_ELEMS // max(1, self.groups * self.t * self.d_in), _CACHE_ELEMS // max(1, per_ex)))
         for lo in range(0, self.batch, step):
             hi = min(lo + step, self.batch)
-            a, gc = patches(lo, hi).to(self.dtype), g[lo:hi]
+            a, gc = _as_dtype(patches(lo, hi), self.dtype), g[lo:hi]
             if self.groups == 1:
                 torch.bmm(gc[:, 0].transpose(1, 2), a[:, 0], out=pe[lo:hi, 0])
             else:
@@ -227,7 +227,7 @@ class EmbeddingGrad:
         batch = ids.shape[0]
         vocab, dim = module.num_embeddings, module.embedding_dim
         ids = ids.reshape(batch, -1).long()
-        g = g.reshape(batch, -1, dim).to(dtype)
+        g = _as_dtype(g.reshape(batch, -1, dim), dtype)
         owner = torch.arange(batch, device=ids.device).unsqueeze(1)
         keys = owner * vocab + ids
         if module.padding_idx is not None:
@@ -251,7 +251,7 @@ class EmbeddingGrad:
         return torch.zeros(self.batch, dtype=torch.float64, device=self.rows.device).index_add_(0, self.owner, row_sq)
 
     def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-        coeff = w.to(self.dtype)[self.owner].unsqueeze(1)
+        coeff = _as_dtype(w, self.dtype)[self.owner].unsqueeze(1)
         if keep is not None:
             coeff = torch.where(keep[self.owner].unsqueeze(1), coeff, torch.zeros_like(coeff))
             rows = _zero_rows(self.rows, keep[self.owner])
@@ -333,7 +333,7 @@ def conv_grad(
 def norm_grad(module: nn.Module, a: torch.Tensor, g: torch.Tensor, names: dict[str, str], dtype: torch.dtype) -> PerExampleGrad:
     """Rule for LayerNorm / GroupNorm / RMSNorm: ``dgamma_i = sum g_i * xhat_i``, ``dbeta_i = sum g_i``."""
     dtype = compute_dtype(dtype)
-    a, g = a.to(dtype), g.to(dtype)
+    a, g = _as_dtype(a, dtype), _as_dtype(g, dtype)
     if isinstance(module, nn.GroupNorm):
         xhat = F.group_norm(a, module.num_groups, None, None, module.eps)
         dims = tuple(range(2, a.dim()))  # reduce spatial positions; keep [B, C]
@@ -438,7 +438,8 @@ def weighted_sum_of(pe: torch.Tensor, w: torch.Tensor, keep: torch.Tensor | None
     """``sum_i w_i pe_i``; rows with ``keep = False`` contribute exactly zero."""
     if keep is not None:
         pe = _zero_rows(pe, keep)
-    return torch.tensordot(w.to(pe.dtype), pe, dims=([0], [0]))
+    w = w if w.dtype == pe.dtype else w.to(pe.dtype)
+    return torch.matmul(w, pe.reshape(pe.shape[0], -1)).reshape(pe.shape[1:])
 
 
 def _im2col(
@@ -454,6 +455,10 @@ def _im2col(
     s0, s1, s2, s3 = a.stride()
     view = a.as_strided((b, c, kh, kw, ho, wo), (s0, s1, s2 * dh, s3 * dw, s2 * sh, s3 * sw))
     return view.reshape(b, c * kh * kw, ho * wo)
+
+
+def _as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _zero_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
