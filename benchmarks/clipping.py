@@ -14,8 +14,12 @@ clipping at C = 1, Gaussian noise with multiplier 1), SGD update.
   ``DPOptimizerFastGradientClipping`` + ``DPLossFastGradientClipping``.
 
 opake variants add noise with ``gaussian_noise`` and update their parameter tensors
-in place with one fused ``torch._foreach_add_`` (plain SGD, as ``torch.optim.SGD`` does). Times are medians over interleaved (round-robin)
-repeats, so load changes hit every variant alike; ratios are to ``non-private`` from the
+in place with one fused ``torch._foreach_add_`` (plain SGD, as ``torch.optim.SGD`` does). Times are medians over interleaved
+(round-robin) rounds, so load changes hit every variant alike; in each round a variant
+first makes one untimed step (``--settle 1``), which absorbs the caches and allocator state
+the previous variant left, and then one timed step, the steady state of a training loop.
+A workload gets as many rounds (at least 7, at most 61 with ``--quick``) as fit 25 s of
+timing, so the cheap ones have tight medians. Ratios are to ``non-private`` from the
 same run. Peak memory is the growth of the resident set during a few steps, measured
 from right after setup (so buffers a variant keeps between steps, like Opacus's
 ``grad_sample``, count), in a fresh process per variant
@@ -263,13 +267,31 @@ def setup_step(workload: str, variant: str, threads: int = THREADS) -> Callable[
 # --- driver ---------------------------------------------------------------------------------
 
 
+def rounds_for(steps: dict[str, Callable[[], None]], warmup: int, settle: int, least: int, most: int,
+               budget_s: float) -> int:
+    """Rounds that fit ``budget_s`` of timing: ``least`` at minimum, ``most`` at most.
+
+    The warm-up rounds are run here and timed to size the rest, so a cheap workload gets
+    many rounds (a tighter median) and an expensive one stays within the budget.
+    """
+    t0 = time.perf_counter()
+    for _ in range(max(1, warmup)):
+        for fn in steps.values():
+            fn()
+    per_round = (time.perf_counter() - t0) / max(1, warmup) * (1 + settle)
+    return max(least, min(most, int(budget_s / max(per_round, 1e-9))))
+
+
 def run(workloads: list[str], variants: list[str], warmup: int, repeats: int, mem_steps: int, memory: bool,
-        threads: int = THREADS, settle: int = 1) -> list[dict[str, Any]]:
+        threads: int = THREADS, settle: int = 1, most: int | None = None, budget_s: float = 0.0) -> list[dict[str, Any]]:
+    """Times (and measures) every variant of every workload; ``repeats`` rounds at least,
+    up to ``most`` while they fit ``budget_s`` seconds per workload."""
     rows = []
     for w in workloads:
         t0 = time.perf_counter()
         steps = {v: setup_step(w, v, threads) for v in variants}
-        timings = profiling.time_interleaved(steps, warmup=warmup, repeats=repeats, settle=settle)
+        n = rounds_for(steps, warmup, settle, repeats, most or repeats, budget_s)
+        timings = profiling.time_interleaved(steps, warmup=0, repeats=n, settle=settle)
         del steps
         base = timings["non-private"].median if "non-private" in timings else math.nan
         mems: dict[str, float] = {}
@@ -283,7 +305,7 @@ def run(workloads: list[str], variants: list[str], warmup: int, repeats: int, me
         mem_base = mems.get("non-private", math.nan)
         for v in variants:
             rows.append(dict(
-                workload=w, variant=v, ms=1e3 * timings[v].median, ratio=timings[v].median / base,
+                workload=w, variant=v, rounds=n, ms=1e3 * timings[v].median, ratio=timings[v].median / base,
                 mem=mems.get(v, math.nan), mem_ratio=mems.get(v, math.nan) / mem_base if mem_base else math.nan,
             ))
         print(f"# {w}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
@@ -291,10 +313,10 @@ def run(workloads: list[str], variants: list[str], warmup: int, repeats: int, me
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| workload | variant | step (ms) | time / non-private | peak RSS growth (MiB) | memory / non-private |",
-           "|---|---|---:|---:|---:|---:|"]
+    out = ["| workload | variant | rounds | step (ms) | time / non-private | peak RSS growth (MiB) | memory / non-private |",
+           "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['workload']} | {r['variant']} | {r['ms']:.2f} | {r['ratio']:.2f}x | "
+        out.append(f"| {r['workload']} | {r['variant']} | {r['rounds']} | {r['ms']:.2f} | {r['ratio']:.2f}x | "
                    f"{r['mem']:.1f} | {r['mem_ratio']:.2f}x |")
     return "\n".join(out)
 
@@ -305,7 +327,9 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--warmup", type=int)
-    ap.add_argument("--repeats", type=int)
+    ap.add_argument("--repeats", type=int, help="least rounds per workload (default 7 quick, 25 full)")
+    ap.add_argument("--max-repeats", type=int, help="most rounds per workload (default 61 quick, 201 full)")
+    ap.add_argument("--budget", type=float, help="seconds of timing per workload that set the rounds (25 quick, 90 full)")
     ap.add_argument("--settle", type=int, default=1,
                     help="untimed calls at the start of each variant's turn (default 1; 0 = time the first call)")
     ap.add_argument("--no-memory", action="store_true")
@@ -314,14 +338,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
     repeats = args.repeats if args.repeats is not None else (7 if args.quick else 25)
+    most = max(repeats, args.max_repeats if args.max_repeats is not None else (61 if args.quick else 201))
+    budget = args.budget if args.budget is not None else (25.0 if args.quick else 90.0)
     workloads = [w for w in args.workloads.split(",") if w]
     variants = [v for v in args.variants.split(",") if v]
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     t0 = time.perf_counter()
     rows = run(workloads, variants, warmup, repeats, mem_steps=2 if args.quick else 3, memory=not args.no_memory,
-               threads=args.threads, settle=args.settle)
-    print(f"torch {torch.__version__}, {args.threads} threads, warmup {warmup}, repeats {repeats}, settle {args.settle} "
-          "(medians); "
+               threads=args.threads, settle=args.settle, most=most, budget_s=budget)
+    print(f"torch {torch.__version__}, {args.threads} threads, warmup {warmup}, rounds {repeats}-{most} within "
+          f"{budget:.0f} s of timing per workload, settle {args.settle} (medians); "
           f"load average before {load}, after {os.getloadavg() if load else None}; {time.perf_counter() - t0:.0f}s\n")
     print(table(rows))
 
