@@ -438,8 +438,7 @@ def weighted_sum_of(pe: torch.Tensor, w: torch.Tensor, keep: torch.Tensor | None
     """``sum_i w_i pe_i``; rows with ``keep = False`` contribute exactly zero."""
     if keep is not None:
         pe = _zero_rows(pe, keep)
-    w = w if w.dtype == pe.dtype else w.to(pe.dtype)
-    return torch.matmul(w, pe.reshape(pe.shape[0], -1)).reshape(pe.shape[1:])
+    return torch.matmul(_as_dtype(w, pe.dtype), pe.reshape(pe.shape[0], -1)).reshape(pe.shape[1:])
 
 
 def _im2col(
