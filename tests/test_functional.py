@@ -73,6 +73,28 @@ def test_tied_and_shared_parameters_all_take_the_passed_value_and_are_restored()
     assert model.head.weight is model.emb.weight
 
 
+@pytest.mark.parametrize("kind", ["lstm", "weight_norm", "attention"])
+def test_modules_with_cached_or_derived_weights_see_the_passed_params(kind: str):
+    torch.manual_seed(2)
+    if kind == "lstm":  # keeps a flat list of its weights
+        model, x = torch.nn.LSTM(3, 4, batch_first=True), torch.randn(2, 5, 3)
+    elif kind == "weight_norm":  # weight computed from parametrization tensors
+        model, x = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(3, 4)), torch.randn(2, 3)
+    else:  # packed in_proj_weight read outside a Linear
+        model, x = torch.nn.MultiheadAttention(4, 2, batch_first=True), torch.randn(2, 3, 4)
+    first = (lambda out: out[0]) if kind != "weight_norm" else (lambda out: out)
+    fmodel, params = make_functional(model)
+    new = tuple((p + 0.1 * torch.randn_like(p)).requires_grad_() for p in params)
+    args = (x,) if kind != "attention" else (x, x, x)
+    ours = first(fmodel(new, *args))
+    ref = first(torch.func.functional_call(model, dict(zip(fmodel.param_names, new)), args))
+    torch.testing.assert_close(ours, ref)
+    g_ours = torch.autograd.grad(ours.square().sum(), new)
+    g_ref = torch.autograd.grad(ref.square().sum(), new)
+    for a, b in zip(g_ours, g_ref):
+        torch.testing.assert_close(a, b)
+
+
 def test_make_functional_errors():
     with pytest.raises(InputTypeError):
         make_functional(lambda x: x)  # type: ignore[arg-type]
