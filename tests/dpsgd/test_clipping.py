@@ -271,3 +271,22 @@ def test_output_is_clipped_pytree_with_float32_accumulation():
     g, s = clipped_grad(identity_loss, clipping_norm=1.0)
     out, _ = g(torch.zeros(2, dtype=torch.bfloat16), torch.ones(4, 2, dtype=torch.bfloat16), state=s)
     assert isinstance(out, ClippedPytree) and out.pytree.dtype == torch.float32
+
+
+@settings(max_examples=60)
+@given(
+    norms=st.lists(st.one_of(st.floats(0.0, 1e300), st.sampled_from([0.0, 5e-324, 1.0, 1e308])), min_size=1, max_size=8),
+    c=st.one_of(st.floats(1e-30, 1e30), st.just(math.inf)),
+)
+def test_clip_weights_are_min_of_one_and_bound_over_norm(norms, c):
+    # Finite norms only: the engine zeroes the weights of non-finite ones itself.
+    from opake_fx.dpsgd.clipping.fixed import clip_weights
+
+    n = torch.tensor([norms], dtype=torch.float64)
+    w = clip_weights(n, torch.tensor([c], dtype=torch.float64))[0].tolist()
+    for norm, weight in zip(norms, w):
+        if norm <= c:
+            assert weight == 1.0  # exactly: at or below the bound an example is untouched
+        else:
+            assert weight == pytest.approx(c / norm, rel=1e-15, abs=0.0)
+            assert weight * norm <= c * (1 + 1e-15)

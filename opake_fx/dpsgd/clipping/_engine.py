@@ -130,7 +130,8 @@ class PerExampleNorms:
     """
 
     sq_norms: torch.Tensor  # [L, B] float64: squared norm of each leaf's per-example gradient
-    weighted_sum: Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]  # (weights [L, B], finite [B]) -> L sums
+    # (weights [L, B], keep [B] bool or None when every example is finite) -> L sums
+    weighted_sum: Callable[[torch.Tensor, torch.Tensor | None], list[torch.Tensor]]
     losses: torch.Tensor  # [B]
     loss_aux: Any
 
@@ -208,8 +209,10 @@ def clipped_step(
         else:
             norms = group_norms(per_ex.grad_leaves, leaf_group, len(group_names))
         finite = torch.isfinite(norms).all(dim=0)
+        none_bad = bool(finite.all())  # one host sync; the common case skips the masking
         weights = weight_fn(norms, bounds.to(norms.device))
-        weights = torch.where(finite.unsqueeze(0), weights, torch.zeros_like(weights))
+        if not none_bad:
+            weights = torch.where(finite.unsqueeze(0), weights, torch.zeros_like(weights))
         if isinstance(per_ex, PerExampleNorms):
             prescaled = True
             if len(group_names) == 1:  # one group: every leaf takes the same weights (no gather)
@@ -219,11 +222,11 @@ def clipped_step(
                 leaf_weights = scaled.expand(len(leaf_group), -1)
             else:
                 leaf_weights = weights[torch.tensor(leaf_group, dtype=torch.long, device=weights.device)] / cfg.normalize_by
-            for i, part in enumerate(per_ex.weighted_sum(leaf_weights, finite)):
+            for i, part in enumerate(per_ex.weighted_sum(leaf_weights, None if none_bad else finite)):
                 part = part.to(out_dtypes[i])
                 sums[i] = part if sums[i] is None else sums[i].add_(part)
         else:
-            sanitize = not bool(finite.all())
+            sanitize = not none_bad
             for i, g_leaf in enumerate(per_ex.grad_leaves):
                 if sanitize:
                     g_leaf = torch.nan_to_num(g_leaf, nan=0.0, posinf=0.0, neginf=0.0)

@@ -134,8 +134,7 @@ class _NormBackend:
                     sq[i] = single[i][0].sq_norm_precise(single[i][1])
         shapes = [(leaf.shape, L.compute_dtype(leaf.dtype), leaf.device) for leaf in leaves]
 
-        def weighted_sum(leaf_weights: torch.Tensor, finite: torch.Tensor) -> list[torch.Tensor]:
-            keep = None if bool(finite.all()) else finite
+        def weighted_sum(leaf_weights: torch.Tensor, keep: torch.Tensor | None) -> list[torch.Tensor]:
             out = []
             for i, (shape, dtype, device) in enumerate(shapes):
                 if i in per_ex:

@@ -116,5 +116,6 @@ def clipped_grad(
 
 def clip_weights(norms: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     """``min(1, C / norm)`` per example and group; exactly 1 at or below C."""
-    c = bounds.unsqueeze(1).expand_as(norms)
-    return torch.where(norms <= c, torch.ones_like(norms), c / norms)
+    # C / norm >= 1 exactly when norm <= C (also for norm = 0 and C = inf), so the clamp
+    # gives exactly 1 there; NaN and inf norms are zeroed by the caller's finite mask.
+    return (bounds.unsqueeze(1) / norms).clamp_max_(1.0)
