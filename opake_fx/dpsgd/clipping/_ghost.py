@@ -374,6 +374,8 @@ class _Report:
         dtype = cap.leaves[next(iter(names.values()))].dtype
         if use.kind == "linear":
             rule: Any = L.linear_grad(use.module, a, g, roles, cap.mode, dtype)
+        elif use.kind == "linear_t":
+            rule = L.transposed_linear_grad(use.module, a, g, roles, cap.mode, dtype)
         elif use.kind == "conv":
             rule = L.conv_grad(use.module, a, g, roles, cap.mode, dtype)
         elif use.kind == "embedding":
@@ -416,6 +418,8 @@ def _kind(module: nn.Module) -> str:
     t = type(module)
     if isinstance(module, nn.Linear) and t.forward is nn.Linear.forward:
         return "linear"
+    if _is_transformers_conv1d(t):
+        return "linear_t"
     if isinstance(module, (nn.Conv1d, nn.Conv2d)) and t.forward in (nn.Conv1d.forward, nn.Conv2d.forward) and (
         t._conv_forward in (nn.Conv1d._conv_forward, nn.Conv2d._conv_forward)
     ):
@@ -437,6 +441,16 @@ def _kind(module: nn.Module) -> str:
     return "fallback"
 
 
+def _is_transformers_conv1d(t: type) -> bool:
+    """Whether ``t`` runs the ``forward`` of Hugging Face's ``transformers.pytorch_utils.Conv1D``
+    (GPT-2's projections: ``y = x @ W + b`` with ``W: [d_in, d_out]``), recognised by the
+    function's home, not by a class name a user might reuse; transformers is not imported."""
+    forward = getattr(t, "forward", None)
+    return getattr(forward, "__module__", None) == "transformers.pytorch_utils" and (
+        getattr(forward, "__qualname__", None) == "Conv1D.forward"
+    )
+
+
 def _batched(kind: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              outputs: list[torch.Tensor], batch: int) -> bool:
     """Whether the call carries the batch as the first dimension of its input and outputs."""
@@ -447,7 +461,7 @@ def _batched(kind: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     a = args[0] if args else kwargs.get("input")
     if not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[0] != batch:
         return False
-    if kind == "linear":
+    if kind in ("linear", "linear_t"):
         return a.dim() >= 2
     if kind == "conv":
         return a.dim() == (3 if isinstance(module, nn.Conv1d) else 4)

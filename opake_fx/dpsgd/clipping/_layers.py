@@ -10,6 +10,8 @@ layer mixes examples, row ``i`` of ``g`` is the gradient of ``L_i`` alone, so ex
   ``||dW_i||^2 = sum_{t,s} (a_it . a_is)(g_it . g_is)`` (the ghost norm: Goodfellow
   2015 for ``T = 1``, Li et al. 2021 for sequences), ``O(T^2 (d_in + d_out))`` instead
   of ``O(T d_in d_out)``.
+* Hugging Face ``Conv1D`` (``y = a W + b``, ``W: [d_in, d_out]``): the Linear rule on
+  ``W^T``, results transposed back.
 * Conv1d / Conv2d: unfolded input patches turn the layer into a Linear over output
   positions, one per group (Bu et al. 2023).
 * Embedding: ``||dE_i||^2 = sum_{t,s} [id_it = id_is] (g_it . g_is)``, computed by
@@ -288,6 +290,51 @@ def linear_grad(
         method=choose_method(mode, t, d_in, d_out),
         dtype=dtype,
     )
+
+
+def transposed_linear_grad(
+    module: nn.Module, a: torch.Tensor, g: torch.Tensor, names: dict[str, str], mode: str, dtype: torch.dtype
+) -> TransposedWeight:
+    """Rule for a Linear whose weight is stored as ``[d_in, d_out]`` (``y = a W + b``):
+    Hugging Face's ``Conv1D`` (GPT-2). The Linear rule on ``W^T``; norms are unchanged by
+    the transpose, weighted sums and per-example weights are transposed back."""
+    d_in, d_out = module.weight.shape
+    batch = a.shape[0]
+    dtype = compute_dtype(dtype)
+    a3 = a.reshape(batch, 1, -1, d_in)
+    t = a3.shape[2]
+    rule = MatmulGrad(
+        lambda lo, hi: a3[lo:hi],
+        g.reshape(batch, 1, t, d_out),
+        d_in=d_in,
+        weight_shape=(d_out, d_in) if "weight" in names else None,
+        bias_shape=(d_out,) if "bias" in names else None,
+        names=names,
+        method=choose_method(mode, t, d_in, d_out),
+        dtype=dtype,
+    )
+    return TransposedWeight(rule, names.get("weight"))
+
+
+class TransposedWeight:
+    """A rule whose weight parameter is the transpose of the wrapped rule's ``[d_out, d_in]`` weight."""
+
+    def __init__(self, rule: MatmulGrad, weight_name: str | None) -> None:
+        self.rule, self.weight_name = rule, weight_name
+
+    def sq_norm(self, name: str) -> torch.Tensor:
+        return self.rule.sq_norm(name)
+
+    def sq_norm_precise(self, name: str) -> torch.Tensor:
+        return self.rule.sq_norm_precise(name)
+
+    def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        out = self.rule.weighted(name, w, keep)
+        return out.t().contiguous() if name == self.weight_name else out
+
+    def per_example(self, name: str) -> torch.Tensor:
+        pe = self.rule.per_example(name)
+        return pe.transpose(1, 2).contiguous() if name == self.weight_name else pe
 
 
 def conv_grad(
