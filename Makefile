@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --disable-pip-version-check -c constraints.txt -e ".[test,demo,hf]"
+	$(PIP) install -q --disable-pip-version-check -c constraints.txt -e ".[test,demo,hf,docs]"
 	touch $(STAMP)
 
 install: $(STAMP)
