@@ -44,6 +44,8 @@ Usage::
 
     python benchmarks/clipping.py --quick          # < 10 minutes on 2 cores
     python benchmarks/clipping.py --workloads lm-64 --variants non-private,opake-auto
+    python benchmarks/clipping.py --quick --device cuda   # on a GPU: CUDA-synchronised timing,
+                                                          # peak CUDA memory beyond setup
 """
 
 from __future__ import annotations
@@ -186,13 +188,13 @@ def model_out(kind: str, out: torch.Tensor) -> torch.Tensor:
 # --- one step per variant -----------------------------------------------------------------
 
 
-def setup_step(workload: str, variant: str, threads: int = THREADS) -> Callable[[], None]:
+def setup_step(workload: str, variant: str, threads: int = THREADS, device: str = "cpu") -> Callable[[], None]:
     """Builds model, data and optimiser for ``variant`` on ``workload``; returns the step."""
     torch.set_num_threads(threads)
     warnings.filterwarnings("ignore")
     kind, batch = WORKLOADS[workload]
-    model = build(kind)
-    x, y = data(kind, batch)
+    model = build(kind).to(device)
+    x, y = (t.to(device) for t in data(kind, batch))
     y_flat = y.reshape(-1)
     if variant == "non-private":
         opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -215,13 +217,13 @@ def setup_step(workload: str, variant: str, threads: int = THREADS) -> Callable[
                                            clip_backend="auto", model=fmodel)
         noise_fn, nstate = gaussian_noise(noise_multiplier=1.0, key=key(0))
         state: dict[str, Any] = {"params": list(params), "clip": cstate, "noise": nstate}
-        gen = torch.Generator().manual_seed(0)
+        gen = torch.Generator(device=device).manual_seed(0)
 
         def step() -> None:
             clipped, state["clip"] = grad_fn(tuple(state["params"]), x, y, state=state["clip"])
             if variant == "opake-auto+randn":  # Opacus-style noise: torch.randn from a torch.Generator
                 std = 1.0 * clipped.max_norm
-                noisy = [torch.randn(g.shape, generator=gen).mul_(std).add_(g) for g in clipped.pytree]
+                noisy = [torch.randn(g.shape, generator=gen, device=g.device).mul_(std).add_(g) for g in clipped.pytree]
             else:
                 noised, state["noise"] = noise_fn(clipped, state["noise"])
                 noisy = list(noised.pytree)
@@ -274,28 +276,49 @@ def rounds_for(steps: dict[str, Callable[[], None]], warmup: int, settle: int, l
     The warm-up rounds are run here and timed to size the rest, so a cheap workload gets
     many rounds (a tighter median) and an expensive one stays within the budget.
     """
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     for _ in range(max(1, warmup)):
         for fn in steps.values():
             fn()
+    sync()
     per_round = (time.perf_counter() - t0) / max(1, warmup) * (1 + settle)
     return max(least, min(most, int(budget_s / max(per_round, 1e-9))))
 
 
+def cuda_step_memory(workload: str, variant: str, steps: int, device: str) -> int:
+    """Peak CUDA memory of ``steps`` steps beyond what setup allocated (fresh setup, in this process)."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    step = setup_step(workload, variant, THREADS, device)
+    peak = profiling.cuda_peak_memory(lambda: [step() for _ in range(steps)], device)
+    del step
+    gc.collect()
+    torch.cuda.empty_cache()
+    return peak
+
+
 def run(workloads: list[str], variants: list[str], warmup: int, repeats: int, mem_steps: int, memory: bool,
-        threads: int = THREADS, settle: int = 1, most: int | None = None, budget_s: float = 0.0) -> list[dict[str, Any]]:
+        threads: int = THREADS, settle: int = 1, most: int | None = None, budget_s: float = 0.0,
+        device: str = "cpu") -> list[dict[str, Any]]:
     """Times (and measures) every variant of every workload; ``repeats`` rounds at least,
     up to ``most`` while they fit ``budget_s`` seconds per workload."""
     rows = []
     for w in workloads:
         t0 = time.perf_counter()
-        steps = {v: setup_step(w, v, threads) for v in variants}
+        steps = {v: setup_step(w, v, threads, device) for v in variants}
         n = rounds_for(steps, warmup, settle, repeats, most or repeats, budget_s)
         timings = profiling.time_interleaved(steps, warmup=0, repeats=n, settle=settle)
         del steps
         base = timings["non-private"].median if "non-private" in timings else math.nan
         mems: dict[str, float] = {}
-        if memory:
+        if memory and device != "cpu":
+            for v in variants:
+                mems[v] = cuda_step_memory(w, v, mem_steps, device) / 2**20
+        elif memory:
             for v in variants:
                 r = profiling.peak_rss_in_subprocess(
                     f"{Path(__file__).resolve()}:setup_step", {"workload": w, "variant": v, "threads": threads},
@@ -312,8 +335,8 @@ def run(workloads: list[str], variants: list[str], warmup: int, repeats: int, me
     return rows
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| workload | variant | rounds | step (ms) | time / non-private | peak RSS growth (MiB) | memory / non-private |",
+def table(rows: list[dict[str, Any]], memory_label: str = "peak RSS growth (MiB)") -> str:
+    out = [f"| workload | variant | rounds | step (ms) | time / non-private | {memory_label} | memory / non-private |",
            "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['workload']} | {r['variant']} | {r['rounds']} | {r['ms']:.2f} | {r['ratio']:.2f}x | "
@@ -334,7 +357,12 @@ def main() -> None:
                     help="untimed calls at the start of each variant's turn (default 1; 0 = time the first call)")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--threads", type=int, default=THREADS, help=f"torch threads (default {THREADS})")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (default) or cuda[:i]; on CUDA, memory is the peak allocated by the steps beyond setup")
     args = ap.parse_args()
+    if args.device != "cpu":
+        torch.backends.cuda.matmul.allow_tf32 = False  # the same float32 arithmetic as on the CPU
+        torch.backends.cudnn.allow_tf32 = False
     torch.set_num_threads(args.threads)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
     repeats = args.repeats if args.repeats is not None else (7 if args.quick else 25)
@@ -345,11 +373,12 @@ def main() -> None:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     t0 = time.perf_counter()
     rows = run(workloads, variants, warmup, repeats, mem_steps=2 if args.quick else 3, memory=not args.no_memory,
-               threads=args.threads, settle=args.settle, most=most, budget_s=budget)
-    print(f"torch {torch.__version__}, {args.threads} threads, warmup {warmup}, rounds {repeats}-{most} within "
+               threads=args.threads, settle=args.settle, most=most, budget_s=budget, device=args.device)
+    where = torch.cuda.get_device_name(args.device) if args.device != "cpu" else f"{args.threads} threads"
+    print(f"torch {torch.__version__}, {args.device} ({where}), warmup {warmup}, rounds {repeats}-{most} within "
           f"{budget:.0f} s of timing per workload, settle {args.settle} (medians); "
           f"load average before {load}, after {os.getloadavg() if load else None}; {time.perf_counter() - t0:.0f}s\n")
-    print(table(rows))
+    print(table(rows, "peak RSS growth (MiB)" if args.device == "cpu" else "peak CUDA memory beyond setup (MiB)"))
 
 
 if __name__ == "__main__":

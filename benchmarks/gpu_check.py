@@ -1,0 +1,204 @@
+"""GPU check: the clipping backends and the noise stage on an accelerator, then the benchmark.
+
+One prepared script for a session that is lent a GPU (the device time is short: it runs
+the checks in well under a minute, then ``benchmarks/clipping.py --quick --device cuda``).
+The same checks run on the CPU in the test suite (``tests/test_gpu_check.py``), so the
+script itself is tested where there is no GPU.
+
+Checks, each printed as ``PASS``/``FAIL`` with its measured error:
+
+* **clipping, float64** — for the benchmark's four model kinds (MLP, CNN with GroupNorm,
+  transformer LM, embedding classifier) the ``vmap``, ``ghost`` and ``auto`` backends
+  against a per-example autograd loop on the same device: clipped sum within 1e-9 of the
+  largest entry, norms within 1e-9 relative; every output leaf on the device.
+* **clipping, float32** — ``auto`` against ``vmap`` within 1e-5 of the largest entry (the
+  issue's bar; TF32 is switched off so the device does float32 arithmetic).
+* **device = CPU, float64** — the device's ``auto`` result against the CPU's (1e-9).
+* **microbatching** — ``auto`` with ``microbatch_size=2`` equals one pass (1e-9).
+* **noise** — keyed draws on the device are reproducible per key, differ across keys, and
+  have mean 0 and variance 1 within 6 standard errors of 2**22 draws; ``gaussian_noise``
+  keeps the gradient on the device and adds noise of std ``noise_multiplier * max_norm``.
+
+Usage::
+
+    python benchmarks/gpu_check.py                          # checks on cuda, then the benchmark
+    python benchmarks/gpu_check.py --no-bench               # checks only
+    python benchmarks/gpu_check.py --device cpu --no-bench  # the checks on the CPU
+
+Exits with status 1 if any check fails (the benchmark still runs after a failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import clipping as bench  # noqa: E402
+
+from opake_fx.dpsgd.clipping import clipped_grad  # noqa: E402
+from opake_fx.dpsgd.noise import gaussian_noise  # noqa: E402
+from opake_fx.functional import make_functional  # noqa: E402
+from opake_fx.random import flat_tree_normal, key  # noqa: E402
+from opake_fx.types import ClippedPytree  # noqa: E402
+
+# Small batches: the checks are about arithmetic and devices, not speed.
+CHECK_BATCHES = {"mlp": 16, "cnn": 6, "lm": 4, "embbag": 8}
+NOISE_DRAWS = 1 << 22
+
+
+class Report:
+    """Collects ``PASS``/``FAIL`` lines; ``ok`` is False once anything failed."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.ok = True
+
+    def check(self, name: str, passed: bool, detail: str) -> None:
+        self.ok &= passed
+        line = f"{'PASS' if passed else 'FAIL'}  {name}: {detail}"
+        self.lines.append(line)
+        print(line, flush=True)
+
+
+def _setup(kind: str, device: str, dtype: torch.dtype) -> tuple[Any, tuple[torch.Tensor, ...], Any, Any, Callable[..., Any]]:
+    model = bench.build(kind).to(device=device, dtype=dtype)
+    x, y = bench.data(kind, CHECK_BATCHES[kind])
+    x = x.to(device=device, dtype=dtype) if x.is_floating_point() else x.to(device)
+    y = y.to(device=device, dtype=dtype) if y.is_floating_point() else y.to(device)
+    fmodel, params = make_functional(model.eval())
+
+    def batched(p: Any, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return bench.per_example_losses(kind, fmodel(p, xb), yb)
+
+    return fmodel, params, x, y, batched
+
+
+def _run(backend: str, batched: Callable[..., Any], fmodel: Any, params: tuple[torch.Tensor, ...], x: Any, y: Any,
+         c: float, **kw: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+    if backend == "vmap":
+        per_example = lambda p, xi, yi: batched(p, xi[None], yi[None])[0]  # noqa: E731
+        fn, state = clipped_grad(per_example, clipping_norm=c, batch_argnums=(1, 2), return_aux=True, **kw)
+    else:
+        fn, state = clipped_grad(batched, clipping_norm=c, batch_argnums=(1, 2), return_aux=True,
+                                 clip_backend=backend, model=fmodel, **kw)
+    (out, aux), _ = fn(params, x, y, state=state)
+    return list(out.pytree), aux.grad_norms
+
+
+def _reference(batched: Callable[..., Any], params: tuple[torch.Tensor, ...], x: Any, y: Any,
+               c: float) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Clipped sum and norms from one ``autograd.grad`` per example."""
+    sums = [torch.zeros_like(p) for p in params]
+    norms = []
+    for i in range(x.shape[0]):
+        ps = [p.detach().requires_grad_(True) for p in params]
+        grads = torch.autograd.grad(batched(ps, x[i : i + 1], y[i : i + 1])[0], ps, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(ps, grads)]
+        n = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+        w = 1.0 if n <= c else c / n
+        for s, g in zip(sums, grads):
+            s += w * g
+        norms.append(n)
+    return sums, torch.stack(norms)
+
+
+def _max_rel(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    scale = max(float(w.abs().max()) for w in want) or 1.0
+    return max(float((g.double().cpu() - w.double().cpu()).abs().max()) for g, w in zip(got, want)) / scale
+
+
+def check_clipping(device: str, report: Report) -> None:
+    for kind in CHECK_BATCHES:
+        fmodel, params, x, y, batched = _setup(kind, device, torch.float64)
+        _, free_norms = _reference(batched, params, x, y, math.inf)
+        c = float(free_norms.median())  # about half of the examples are clipped
+        want, norms = _reference(batched, params, x, y, c)
+        results = {}
+        for backend in ("vmap", "ghost", "auto"):
+            got, got_norms = _run(backend, batched, fmodel, params, x, y, c)
+            results[backend] = got
+            err = _max_rel(got, want)
+            norm_err = float(((got_norms.cpu() - norms.cpu()).abs() / norms.cpu()).max())
+            on_device = all(g.device.type == torch.device(device).type for g in got)
+            report.check(f"clipping float64 {kind} {backend}", err <= 1e-9 and norm_err <= 1e-9 and on_device,
+                         f"sum {err:.1e}, norms {norm_err:.1e}, outputs on {device}: {on_device}")
+        micro, _ = _run("auto", batched, fmodel, params, x, y, c, microbatch_size=2)
+        err = _max_rel(micro, results["auto"])
+        report.check(f"microbatching {kind}", err <= 1e-9, f"microbatch_size=2 vs one pass {err:.1e}")
+        if torch.device(device).type != "cpu":
+            cfm, cparams, cx, cy, cbatched = _setup(kind, "cpu", torch.float64)
+            cpu, _ = _run("auto", cbatched, cfm, cparams, cx, cy, c)
+            err = _max_rel(results["auto"], cpu)
+            report.check(f"{device} = cpu float64 {kind}", err <= 1e-9, f"auto on {device} vs cpu {err:.1e}")
+        fmodel, params, x, y, batched = _setup(kind, device, torch.float32)
+        ref, _ = _run("vmap", batched, fmodel, params, x, y, c)
+        got, _ = _run("auto", batched, fmodel, params, x, y, c)
+        err = _max_rel(got, ref)
+        report.check(f"clipping float32 {kind} auto vs vmap", err <= 1e-5, f"{err:.1e}")
+
+
+def check_noise(device: str, report: Report) -> None:
+    like = [torch.empty(NOISE_DRAWS - 1000, device=device), torch.empty(10, 100, device=device)]
+    (a, b), _ = flat_tree_normal(key(1), like)
+    (a2, b2), _ = flat_tree_normal(key(1), like)
+    (a3, _), _ = flat_tree_normal(key(2), like)
+    same = bool(torch.equal(a, a2) and torch.equal(b, b2))
+    differ = not bool(torch.equal(a[:1000], a3[:1000]))
+    report.check("noise keyed", same and differ and a.device.type == torch.device(device).type,
+                 f"same key equal: {same}, other key differs: {differ}, on {a.device}")
+    z = torch.cat([a, b.flatten()]).double()
+    n = z.numel()
+    mean, var = float(z.mean()), float(z.var())
+    mean_tol, var_tol = 6 / math.sqrt(n), 6 * math.sqrt(2 / n)
+    report.check("noise moments", abs(mean) <= mean_tol and abs(var - 1) <= var_tol,
+                 f"mean {mean:+.1e} (tol {mean_tol:.1e}), variance {var:.5f} (tol {var_tol:.1e}), n = {n}")
+    grads = [torch.full((1 << 20,), 0.5, device=device), torch.zeros(3, 4, device=device)]
+    clipped = ClippedPytree(grads, max_norm=0.25)
+    noise_fn, state = gaussian_noise(noise_multiplier=2.0, key=key(3))
+    noised, _ = noise_fn(clipped, state)
+    delta = torch.cat([(o - g).flatten() for o, g in zip(noised.pytree, grads)]).double()
+    std, want = float(delta.std()), 2.0 * 0.25
+    tol = 6 * want / math.sqrt(2 * delta.numel())
+    devices = {t.device.type for t in noised.pytree}
+    report.check("gaussian_noise", abs(std - want) <= tol and devices == {torch.device(device).type}
+                 and math.isclose(noised.noise_stddev, want),
+                 f"std {std:.5f} vs {want} (tol {tol:.1e}), noise_stddev {noised.noise_stddev}, on {sorted(devices)}")
+
+
+def run_checks(device: str) -> Report:
+    report = Report()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    check_clipping(device, report)
+    check_noise(device, report)
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--no-bench", action="store_true", help="skip benchmarks/clipping.py --quick")
+    args = ap.parse_args()
+    if args.device != "cpu" and not torch.cuda.is_available():
+        sys.exit(f"--device {args.device}: torch {torch.__version__} sees no CUDA device; use --device cpu.")
+    where = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"
+    print(f"torch {torch.__version__} on {where}", flush=True)
+    report = run_checks(args.device)
+    print(f"{sum(line.startswith('PASS') for line in report.lines)} of {len(report.lines)} checks passed", flush=True)
+    if not args.no_bench:
+        subprocess.run([sys.executable, str(Path(__file__).with_name("clipping.py")), "--quick", "--device", args.device],
+                       check=False)
+    sys.exit(0 if report.ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""benchmarks/gpu_check.py, the script a GPU session runs, passes its checks on the CPU
+(and on CUDA where there is one), and its checks can fail."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_checks_pass_on_cpu(gpu_check):
+    report = gpu_check.run_checks("cpu")
+    assert report.ok, "\n".join(line for line in report.lines if line.startswith("FAIL"))
+    # 4 model kinds x (3 backends + microbatching + float32) + 3 noise checks
+    assert len(report.lines) == 4 * 5 + 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_checks_pass_on_cuda(gpu_check):
+    report = gpu_check.run_checks("cuda")
+    assert report.ok, "\n".join(line for line in report.lines if line.startswith("FAIL"))
+
+
+def test_a_wrong_clipped_sum_is_reported(gpu_check, monkeypatch):
+    original = gpu_check._run
+
+    def off_by_a_little(*args, **kwargs):
+        got, norms = original(*args, **kwargs)
+        return [g * (1 + 1e-6) for g in got], norms
+
+    monkeypatch.setattr(gpu_check, "_run", off_by_a_little)
+    report = gpu_check.Report()
+    gpu_check.check_clipping("cpu", report)
+    assert not report.ok
+    assert any(line.startswith("FAIL  clipping float64") for line in report.lines)
