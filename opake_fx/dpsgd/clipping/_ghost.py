@@ -34,6 +34,9 @@ would silently use the module's own, possibly stale, parameters).
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from typing import Any, Callable, Literal
 
 import optree
@@ -44,7 +47,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from opake_fx.dpsgd.clipping import _layers as L
 from opake_fx.dpsgd.clipping._compat import checkpoint_passthrough
 from opake_fx.dpsgd.clipping._engine import Backend, ClipConfig, PerExampleNorms, _diff_tree, batch_size_of, vmap_backend
-from opake_fx.errors import InputTypeError, InputValueError, OperationError
+from opake_fx.errors import InputTypeError, InputValueError, OperationError, SlowPathWarning
 from opake_fx.functional import FunctionalModel
 from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths
 
@@ -105,9 +108,12 @@ class _NormBackend:
             pe = sum(parts[1:], parts[0]) if parts else torch.zeros((batch, *leaves[i].shape), dtype=leaves[i].dtype)
             if i in capture.fallback and not _adds_up(pe, check):
                 capture.whole.add(i)  # used somewhere the module fallback cannot see
+                use, name = capture.uses_of(i)[0]
+                capture.why.setdefault(i, ("used somewhere its module's own call cannot see", use.module, name))
                 continue
             per_ex[i] = pe
         if capture.whole:
+            _warn_slow_path(self.root, self.mode, capture, leaves)
             per_ex.update(_whole_loss_per_example(loss_fn, args, kwargs, cfg, treedef, leaves, sorted(capture.whole)))
 
         single: dict[int, tuple[Any, str]] = {}
@@ -207,6 +213,7 @@ class _Capture:
         self.uses: list[_Use] = []
         self.rules: dict[int, Any] = {}
         self.whole: set[int] = set()  # leaves only the whole-loss fallback can handle
+        self.why: dict[int, tuple[str, nn.Module | None, str]] = {}  # leaf -> (reason, module, param name)
         self.fallback: set[int] = set()  # leaves with a module-fallback use (checked against the batch gradient)
         self.multi: set[int] = set()  # leaves used by several calls: per-example gradients summed
         self.by_leaf: dict[int, list[tuple[_Use, str]]] = {i: [] for i in range(len(leaves))}
@@ -248,6 +255,7 @@ class _Capture:
                 continue
             if uses and i not in self.fallback and counts.get(i, 0) > len(uses):
                 self.whole.add(i)  # also used outside the hooked calls (e.g. directly in loss_fn)
+                self.why.setdefault(i, ("also used outside the hooked module calls", uses[0][0].module, uses[0][1]))
             elif not uses and counts.get(i, 0) > 0:
                 owner = self._enclosing_fallback(i)
                 if owner:
@@ -255,6 +263,7 @@ class _Capture:
                     self.fallback.add(i)
                 else:
                     self.whole.add(i)
+                    self.why.setdefault(i, ("used outside any module call (e.g. directly in loss_fn)", None, ""))
         for i in self.whole:
             self.by_leaf[i] = []
         self.fallback -= self.whole
@@ -296,6 +305,10 @@ class _Capture:
         if not _batched(kind, module, args, kwargs, outputs, self.batch):
             if self.recording:
                 self.whole.update(names.values())
+                shapes = [tuple(t.shape) for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+                reason = f"its module was called without the batch ({self.batch}) as first dimension: inputs {shapes}"
+                for n, i in names.items():
+                    self.why.setdefault(i, (reason, module, n))
             return None
         if kind == "fallback":
             items, spec = optree.tree_flatten((args, kwargs))
@@ -502,6 +515,34 @@ def _adds_up(pe: torch.Tensor, batch_grad: torch.Tensor | None) -> bool:
     ref = batch_grad.to(total.dtype)
     diff = torch.linalg.vector_norm(total - ref)
     return bool(diff <= 1e-4 * (torch.linalg.vector_norm(ref) + torch.linalg.vector_norm(total)) + 1e-30)
+
+
+def _warn_slow_path(root: nn.Module, mode: str, capture: _Capture, leaves: list[torch.Tensor]) -> None:
+    """Says (once per message) which parameters took the whole-loss fallback, and why."""
+    paths = {id(m): p for p, m in root.named_modules()}
+    parts = []
+    for i in sorted(capture.whole):
+        reason, module, name = capture.why.get(i, ("no layer rule could take it", None, ""))
+        where = f"{paths.get(id(module), type(module).__name__)}.{name}".lstrip(".") if module is not None else (
+            f"leaf {i} (shape {tuple(leaves[i].shape)})")
+        parts.append(f"{where}: {reason}")
+    warnings.warn(
+        f"clip_backend={mode!r}: {len(parts)} parameter(s) take the whole-loss fallback (vmap of the loss over single "
+        f"examples; exact, but it runs the model once more per example): " + "; ".join(parts) + ". To keep them on the "
+        "layer rules, give every layer input the batch as first dimension (for position embeddings: "
+        "position_ids=torch.arange(T).expand(B, T)) and use parameters only inside module calls.",
+        SlowPathWarning,
+        stacklevel=_first_caller_outside_package(),
+    )
+
+
+def _first_caller_outside_package() -> int:
+    """The ``stacklevel`` that points a warning at the user's line, not at opake_fx internals."""
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _whole_loss_per_example(loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: ClipConfig,
