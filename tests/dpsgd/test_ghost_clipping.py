@@ -73,8 +73,10 @@ def test_custom_module_uses_the_module_fallback_only_for_its_parameters(monkeypa
     assert whole_calls[0] == 0
 
 
-def test_multihead_attention_fallback_covers_out_proj() -> None:
+def test_multihead_attention_fallback_covers_out_proj(monkeypatch: pytest.MonkeyPatch) -> None:
     # nn.MultiheadAttention owns in_proj_weight and uses out_proj's parameters without calling out_proj.
+    # Returning attention weights is outside the self-attention rule, so this call takes the
+    # module fallback, which must cover out_proj too.
     torch.manual_seed(1)
 
     class Attn(nn.Module):
@@ -84,10 +86,12 @@ def test_multihead_attention_fallback_covers_out_proj() -> None:
             self.head = nn.Linear(8, 1)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.mha(x, x, x, need_weights=False)[0]).squeeze(-1)
+            return self.head(self.mha(x, x, x, need_weights=True)[0]).squeeze(-1)
 
+    module_calls = count_calls(monkeypatch, _layers, "module_per_example")
     x, y = torch.randn(5, 4, 8, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
     check(Attn(), x, y)
+    assert module_calls[0] == 2  # once per backend
 
 
 def test_transformer_encoder_layer() -> None:

@@ -14,6 +14,10 @@ goes. The engine turns norms into weights ``w_i``; the rules then form
 ``sum_i w_i dP_i`` (book-keeping, Bu et al. 2023). Cost: one forward, one backward, the
 norms; never a second backward pass.
 
+``nn.MultiheadAttention`` used as batch-first self-attention is recomputed in its forward
+hook from its two projections, each tapped as a Linear; the recomputation replaces the
+module's output when it reproduces it (checked on every call).
+
 Whatever the rules cannot do exactly goes to an exact fallback, per parameter:
 
 * a module of another type (or a subclass with its own ``forward``) that owns
@@ -34,6 +38,7 @@ would silently use the module's own, possibly stale, parameters).
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import warnings
@@ -41,6 +46,7 @@ from typing import Any, Callable, Literal
 
 import optree
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -297,6 +303,10 @@ class _Capture:
             i = self.index.get(id(p))
             if i is not None:
                 names[n] = i
+        if isinstance(module, nn.MultiheadAttention) and type(module).forward is nn.MultiheadAttention.forward:
+            replaced = self._attention(module, args, kwargs, output, names)
+            if replaced is not None:
+                return replaced  # else: the module fallback, like any module without a rule
         if not names:
             return None
         kind = _kind(module)
@@ -337,6 +347,52 @@ class _Capture:
         leaves, treedef = optree.tree_flatten(output)
         it = iter(tapped)
         return optree.tree_unflatten(treedef, [next(it) if isinstance(t, torch.Tensor) else t for t in leaves])
+
+    def _attention(self, module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
+                   names: dict[str, int]) -> Any:
+        """Self-attention through ``nn.MultiheadAttention`` as two tapped Linears.
+
+        The module's output is recomputed from its packed input projection (a Linear with
+        weight ``in_proj_weight``), the attention itself (which has no parameters and mixes
+        positions, never examples) and ``out_proj``; each projection is tapped like a Linear,
+        and the recomputation replaces the output. It is used only when it reproduces the
+        module's own output (checked here); otherwise the call goes to the module fallback.
+        Returns the replacement output, or None.
+        """
+        out_names = {n: self.index[id(p)] for n, p in module.out_proj._parameters.items()
+                     if p is not None and id(p) in self.index}
+        call = _self_attention_arguments(module, args, kwargs) if (names or out_names) else None
+        if call is None or not isinstance(output, tuple) or output[1] is not None:
+            return None
+        x = call["query"]
+        if x.dim() != 3 or x.shape[0] != self.batch:
+            return None
+        taps = []
+        proj = F.linear(x, module.in_proj_weight, module.in_proj_bias)
+        if names:
+            in_use = _Use(module, "projection", names)
+            proj = _Tap.apply(self.anchor, _Report(self, in_use) if self.recording else None, 1, x, proj)
+            taps.append((in_use, names, module))
+        ctx = _attention_core(proj, module.num_heads, call)
+        if ctx is None:
+            return None
+        out = F.linear(ctx, module.out_proj.weight, module.out_proj.bias)
+        if out_names:
+            out_use = _Use(module.out_proj, "linear", out_names)
+            out = _Tap.apply(self.anchor, _Report(self, out_use) if self.recording else None, 1, ctx, out)
+            taps.append((out_use, out_names, module.out_proj))
+        ref = output[0].detach()
+        scale = float(ref.abs().max()) if ref.numel() else 0.0
+        if not torch.allclose(out.detach(), ref, rtol=1e-4, atol=1e-5 * scale + 1e-30):
+            return None  # the taps above are never registered, so nothing reports
+        if self.recording:
+            for use, used, owner in taps:
+                use.n_out = 1
+                self.uses.append(use)
+                for n, i in used.items():
+                    self.by_leaf[i].append((use, n))
+                self._remember_bindings(owner)
+        return out, None
 
     def _remember_bindings(self, module: nn.Module) -> None:
         # The tensors functional_call bound to every module now, for checkpoint recomputation.
@@ -387,6 +443,10 @@ class _Report:
         dtype = cap.leaves[next(iter(names.values()))].dtype
         if use.kind == "linear":
             rule: Any = L.linear_grad(use.module, a, g, roles, cap.mode, dtype)
+        elif use.kind == "projection":  # nn.MultiheadAttention's packed input projection
+            d = use.module.embed_dim
+            roles = {role: n for role, n in (("weight", "in_proj_weight"), ("bias", "in_proj_bias")) if n in names}
+            rule = L.projection_grad(a, g, d, 3 * d, roles, cap.mode, dtype)
         elif use.kind == "linear_t":
             rule = L.transposed_linear_grad(use.module, a, g, roles, cap.mode, dtype)
         elif use.kind == "conv":
@@ -452,6 +512,67 @@ def _kind(module: nn.Module) -> str:
     if isinstance(module, _NORM_TYPES) and t.forward in tuple(c.forward for c in _NORM_TYPES):
         return "norm"
     return "fallback"
+
+
+_MHA_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
+
+
+def _self_attention_arguments(module: nn.MultiheadAttention, args: tuple[Any, ...],
+                              kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The call's arguments when it is batch-first self-attention that the rule covers, else None:
+    one packed input projection, no extra key/value biases or zero attention, no attention
+    dropout in training, no attention weights returned, query = key = value."""
+    if not (module.batch_first and module._qkv_same_embed_dim and module.in_proj_weight is not None
+            and module.bias_k is None and module.bias_v is None and not module.add_zero_attn):
+        return None
+    if module.training and module.dropout > 0:
+        return None
+    try:
+        bound = _MHA_SIGNATURE.bind(module, *args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    call = bound.arguments
+    if call["need_weights"] or not (call["query"] is call["key"] is call["value"]):
+        return None
+    return call
+
+
+def _attention_core(proj: torch.Tensor, heads: int, call: dict[str, Any]) -> torch.Tensor | None:
+    """Scaled dot-product attention of the packed projection ``[B, T, 3d]`` -> ``[B, T, d]``,
+    with the masks of ``F.multi_head_attention_forward`` (its mask logic, batch first)."""
+    canonical = getattr(F, "_canonical_mask", None)
+    none_or_dtype = getattr(F, "_none_or_dtype", None)
+    if canonical is None or none_or_dtype is None:
+        return None
+    b, t, three_d = proj.shape
+    d = three_d // 3
+    q, k, v = proj.view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+    attn_mask, padding, is_causal = call["attn_mask"], call["key_padding_mask"], bool(call["is_causal"])
+    padding = canonical(mask=padding, mask_name="key_padding_mask", other_type=none_or_dtype(attn_mask),
+                        other_name="attn_mask", target_type=proj.dtype)
+    if is_causal and attn_mask is None:
+        return None
+    if is_causal and padding is None:
+        mask = None  # F.multi_head_attention_forward hands the causal hint to SDPA
+    else:
+        mask = canonical(mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="",
+                         target_type=proj.dtype, check_other=False)
+        if mask is not None:
+            if mask.dim() == 2:
+                mask = mask.view(1, 1, t, -1)
+            elif mask.dim() == 3:
+                mask = mask.view(b, heads, t, -1)
+            else:
+                return None
+        if padding is not None:
+            if padding.shape != (b, t):
+                return None
+            padding = padding.view(b, 1, 1, t)
+            mask = padding if mask is None else mask + padding
+            is_causal = False
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal)
+    return out.transpose(1, 2).reshape(b, t, d)
 
 
 def _is_transformers_conv1d(t: type) -> bool:

@@ -276,7 +276,16 @@ def linear_grad(
     module: nn.Linear, a: torch.Tensor, g: torch.Tensor, names: dict[str, str], mode: str, dtype: torch.dtype
 ) -> MatmulGrad:
     """Rule for ``nn.Linear`` on input ``[B, *, d_in]``; ``dtype``: the parameters' dtype."""
-    batch, d_in, d_out = a.shape[0], module.in_features, module.out_features
+    return projection_grad(a, g, module.in_features, module.out_features, names, mode, dtype)
+
+
+def projection_grad(
+    a: torch.Tensor, g: torch.Tensor, d_in: int, d_out: int, names: dict[str, str], mode: str, dtype: torch.dtype
+) -> MatmulGrad:
+    """Rule for ``y = a W^T + b`` with ``W: [d_out, d_in]`` (``names``: role "weight"/"bias" ->
+    parameter name), on input ``[B, *, d_in]``: ``nn.Linear``, and the packed input projection
+    of ``nn.MultiheadAttention``."""
+    batch = a.shape[0]
     dtype = compute_dtype(dtype)
     a3 = a.reshape(batch, 1, -1, d_in)
     t = a3.shape[2]
@@ -284,7 +293,7 @@ def linear_grad(
         lambda lo, hi: a3[lo:hi],
         g.reshape(batch, 1, t, d_out),
         d_in=d_in,
-        weight_shape=tuple(module.weight.shape) if "weight" in names else None,
+        weight_shape=(d_out, d_in) if "weight" in names else None,
         bias_shape=(d_out,) if "bias" in names else None,
         names=names,
         method=choose_method(mode, t, d_in, d_out),

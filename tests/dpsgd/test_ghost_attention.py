@@ -1,0 +1,190 @@
+"""The self-attention rule for ``nn.MultiheadAttention``: its two projections are tapped as
+Linears, the rest of the module is recomputed; exact against per-example autograd for every
+mask the module takes, and the module fallback for what the rule does not cover."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from opake_fx.dpsgd.clipping import _ghost, _layers
+from tests.dpsgd.test_ghost_clipping import check, count_calls
+
+B, T, D, H = 5, 6, 8, 2
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, call: dict[str, Any], **mha: Any) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, D)
+        self.mha = nn.MultiheadAttention(D, H, batch_first=True, **mha)
+        self.head = nn.Linear(D, 1)
+        self.call = call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        kw = {k: (v(x) if callable(v) else v) for k, v in self.call.items()}
+        out = self.mha(h, h, h, **{"need_weights": False, **kw})[0]
+        return self.head(out).squeeze(-1)
+
+
+def causal_float(x: torch.Tensor) -> torch.Tensor:
+    return nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+
+
+def causal_bool(x: torch.Tensor) -> torch.Tensor:
+    return torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+
+
+# Masks are functions of each example's own data (the reference runs examples one at a time).
+
+
+def padding(x: torch.Tensor) -> torch.Tensor:
+    lengths = 1 + (x[:, 0, 0].abs() * 7).long() % x.shape[1]  # 1..T valid positions
+    return torch.arange(x.shape[1]).expand(x.shape[0], -1) >= lengths[:, None]
+
+
+def per_head_mask(x: torch.Tensor) -> torch.Tensor:
+    scores = torch.einsum("bti,bsi->bts", x, x)
+    return torch.stack([0.3 * (h + 1) * scores for h in range(H)], dim=1).reshape(-1, x.shape[1], x.shape[1])
+
+
+@pytest.fixture
+def fallbacks(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
+    return {
+        "module": count_calls(monkeypatch, _layers, "module_per_example"),
+        "whole": count_calls(monkeypatch, _ghost, "_whole_loss_per_example"),
+    }
+
+
+RULE_CASES = {
+    "no mask": {},
+    "causal (float mask + is_causal)": {"attn_mask": causal_float, "is_causal": True},
+    "bool mask": {"attn_mask": causal_bool},
+    "float mask, no hint": {"attn_mask": causal_float},
+    "key padding": {"key_padding_mask": padding},
+    "key padding + causal": {"key_padding_mask": padding, "attn_mask": causal_bool, "is_causal": True},
+    "3-d per-head mask": {"attn_mask": per_head_mask},
+}
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=list(RULE_CASES))
+def test_self_attention_rule_matches_per_example_autograd(case: str, fallbacks: dict[str, list[int]]) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    check(SelfAttention(RULE_CASES[case]), x, y)
+    # in_proj_weight and out_proj have no other route than the rule besides these fallbacks
+    assert fallbacks["module"][0] == 0 and fallbacks["whole"][0] == 0
+
+
+def test_without_biases(fallbacks: dict[str, list[int]]) -> None:
+    torch.manual_seed(1)
+    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    check(SelfAttention({"attn_mask": causal_float, "is_causal": True}, bias=False), x, y)
+    assert fallbacks["module"][0] == 0 and fallbacks["whole"][0] == 0
+
+
+def test_transformer_encoder_with_causal_mask_uses_rules_only(fallbacks: dict[str, list[int]]) -> None:
+    torch.manual_seed(2)
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(3, D)
+            layer = nn.TransformerEncoderLayer(D, H, dim_feedforward=16, dropout=0.1, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = nn.Linear(D, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+            return self.head(self.enc(self.inp(x), mask=mask, is_causal=True)).squeeze(-1)
+
+    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    check(Encoder().eval(), x, y)  # eval: the reference loop must see the same (no) dropout
+    assert fallbacks["module"][0] == 0 and fallbacks["whole"][0] == 0
+
+
+def test_only_the_output_projection_trained(fallbacks: dict[str, list[int]]) -> None:
+    # in_proj frozen (not differentiated): out_proj still takes the Linear rule.
+    torch.manual_seed(3)
+    model = SelfAttention({"attn_mask": causal_bool}).double()
+    from opake_fx.functional import make_functional
+    from tests.dpsgd.test_ghost_layers import reference, run_backend
+
+    fmodel, params = make_functional(model)
+    train_idx = [i for i, n in enumerate(fmodel.param_names) if not n.startswith("mha.in_proj")]
+
+    def batched(train: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        full = list(params)
+        for i, t in zip(train_idx, train):
+            full[i] = t
+        return (fmodel(tuple(full), x) - y).pow(2).sum(1)
+
+    train = tuple(params[i] for i in train_idx)
+    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    want, norms, _ = reference(batched, train, x, y, 0.5)
+    for backend in ("ghost", "auto"):
+        out, aux = run_backend(backend, batched, fmodel, train, x, y, 0.5)
+        for got, ref in zip(out.pytree, want):
+            torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(aux.grad_norms, norms, rtol=1e-9, atol=1e-12)
+    assert fallbacks["module"][0] == 0 and fallbacks["whole"][0] == 0
+
+
+def test_checkpointed_attention(fallbacks: dict[str, list[int]]) -> None:
+    torch.manual_seed(4)
+
+    class Checkpointed(SelfAttention):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.inp(x))
+            mask = causal_float(x)
+            out = checkpoint(lambda t: self.mha(t, t, t, need_weights=False, attn_mask=mask, is_causal=True)[0], h,
+                             use_reentrant=False)
+            return self.head(out).squeeze(-1)
+
+    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    check(Checkpointed({}), x, y)
+    assert fallbacks["module"][0] == 0 and fallbacks["whole"][0] == 0
+
+
+FALLBACK_CASES = {
+    "attention weights returned": ({"need_weights": True}, {}),
+    "add_bias_kv": ({}, {"add_bias_kv": True}),
+    "add_zero_attn": ({}, {"add_zero_attn": True}),
+    "separate key/value dims": ({}, {"kdim": D, "vdim": 4}),
+}
+
+
+@pytest.mark.parametrize("case", FALLBACK_CASES, ids=list(FALLBACK_CASES))
+def test_calls_outside_the_rule_take_the_module_fallback(case: str, fallbacks: dict[str, list[int]]) -> None:
+    torch.manual_seed(5)
+    call, mha = FALLBACK_CASES[case]
+
+    class Model(SelfAttention):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.inp(x))
+            v = h[..., :4] if mha.get("vdim") == 4 else h
+            out = self.mha(h, h, v, **{"need_weights": False, **call})[0]
+            return self.head(out).squeeze(-1)
+
+    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    check(Model(call, **mha), x, y)
+    assert fallbacks["module"][0] == 2
+
+
+def test_cross_attention_takes_the_module_fallback(fallbacks: dict[str, list[int]]) -> None:
+    torch.manual_seed(6)
+
+    class Cross(SelfAttention):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.inp(x))
+            out = self.mha(h, torch.sin(h), torch.cos(h), need_weights=False)[0]
+            return self.head(out).squeeze(-1)
+
+    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    check(Cross({}), x, y)
+    assert fallbacks["module"][0] == 2
