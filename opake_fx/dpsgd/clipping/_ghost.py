@@ -111,7 +111,7 @@ class _NormBackend:
         per_ex: dict[int, torch.Tensor] = {}
         for i, check in list(zip(verify, batch_grads)) + [(i, None) for i in capture.multi]:
             parts = [rules[id(u)].per_example(n) for u, n in capture.uses_of(i) if rules.get(id(u)) is not None]
-            pe = sum(parts[1:], parts[0]) if parts else torch.zeros((batch, *leaves[i].shape), dtype=leaves[i].dtype)
+            pe = sum(parts[1:], parts[0]) if parts else torch.zeros((batch, *leaves[i].shape), dtype=leaves[i].dtype, device=leaves[i].device)
             if i in capture.fallback and not _adds_up(pe, check):
                 capture.whole.add(i)  # used somewhere the module fallback cannot see
                 use, name = capture.uses_of(i)[0]
@@ -135,7 +135,7 @@ class _NormBackend:
                 rows.append(rule.sq_norm(uses[0][1]))
             else:  # unused by the loss: zero gradient
                 rows.append(torch.zeros(batch, dtype=torch.float64, device=leaf.device))
-        sq = torch.stack(rows) if rows else torch.zeros((0, batch), dtype=torch.float64)
+        sq = torch.stack(rows) if rows else torch.zeros((0, batch), dtype=torch.float64, device=leaves[0].device if leaves else None)
         if not bool(torch.isfinite(sq).all()):
             # Norms are taken in the parameters' precision; redo non-finite ones in float64 so
             # that a huge but finite gradient is clipped rather than treated as non-finite.

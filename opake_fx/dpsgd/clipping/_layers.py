@@ -443,7 +443,7 @@ def module_per_example(
         return vjp_fn(tuple(go.unsqueeze(0) for go in gs))[0]
 
     if not used:
-        return PerExampleGrad({n: torch.zeros((batch, *diff[n].shape), dtype=diff[n].dtype) for n in diff_names})
+        return PerExampleGrad({n: torch.zeros((batch, *diff[n].shape), dtype=diff[n].dtype, device=diff[n].device) for n in diff_names})
     xs = tuple(flat[k] for k in positions)
     gs = tuple(grads_out[k] for k in used)
     with checkpoint_passthrough():
