@@ -188,3 +188,42 @@ def test_cross_attention_takes_the_module_fallback(fallbacks: dict[str, list[int
     x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
     check(Cross({}), x, y)
     assert fallbacks["module"][0] == 2
+
+
+def deterministic_dropout_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+    """SDPA whose 'dropout' drops a fixed pattern of (head, query, key) positions: the same for
+    every example and batch size, so a per-example reference sees the masks the batch saw."""
+    t, s = q.shape[-2], k.shape[-2]
+    scores = q @ k.transpose(-2, -1) / (q.shape[-1] ** 0.5 if scale is None else 1 / scale)
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(t, s, dtype=torch.bool).triu(1), float("-inf"))
+    if attn_mask is not None:
+        scores = scores + attn_mask if attn_mask.dtype != torch.bool else scores.masked_fill(~attn_mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        h = torch.arange(q.shape[-3]).view(-1, 1, 1)
+        keep = (h * 31 + torch.arange(t).view(-1, 1) * 7 + torch.arange(s) * 3) % 5 != 0
+        weights = weights * keep / (1 - dropout_p)
+    return weights @ v
+
+
+def test_attention_dropout_in_training_uses_the_rule(monkeypatch: pytest.MonkeyPatch,
+                                                      fallbacks: dict[str, list[int]]) -> None:
+    # With a reproducible "dropout", the rule (which draws its own masks in the recomputation,
+    # after a once-per-signature check without dropout) equals per-example autograd.
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", deterministic_dropout_attention)
+    torch.manual_seed(7)
+    model = SelfAttention({"attn_mask": causal_float, "is_causal": True}, dropout=0.25).train()
+    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    check(model, x, y)
+    assert fallbacks["module"][0] == 0 and fallbacks["whole"][0] == 0
+
+
+def test_attention_dropout_check_failing_sends_the_call_to_the_fallback(monkeypatch: pytest.MonkeyPatch,
+                                                                        fallbacks: dict[str, list[int]]) -> None:
+    monkeypatch.setattr(_ghost, "_same_output", lambda ours, ref: False)
+    torch.manual_seed(8)
+    model = SelfAttention({"attn_mask": causal_float, "is_causal": True}, dropout=0.25).eval()
+    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    check(model, x, y)  # eval: no dropout; the failing check alone decides
+    assert fallbacks["module"][0] == 2

@@ -157,7 +157,8 @@ def vmap_backend(loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     grad_fn = torch.func.grad(scalar_loss, argnums=argnums, has_aux=True)
     in_dims = tuple(0 if i in cfg.batch_argnums else None for i in range(len(args)))
     with checkpoint_passthrough():  # checkpointed models work under vmap(grad) too
-        grads, extras = torch.func.vmap(grad_fn, in_dims=in_dims)(*args)
+        # randomness="different": dropout draws its own mask for each example, as in a batched pass.
+        grads, extras = torch.func.vmap(grad_fn, in_dims=in_dims, randomness="different")(*args)
     return PerExample(optree.tree_leaves(grads, namespace=NAMESPACE), extras[0], extras[1] if cfg.has_aux else None)
 
 

@@ -83,6 +83,9 @@ class _NormBackend:
 
     def __init__(self, root: nn.Module, mode: str) -> None:
         self.root, self.mode = root, mode
+        # Attention calls with dropout whose recomputation was checked (without dropout)
+        # against the module: (module, call signature) -> whether it matched.
+        self.attention_checked: dict[tuple[Any, ...], bool] = {}
 
     def __call__(self, loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: ClipConfig) -> PerExampleNorms:
         batch = batch_size_of(args, cfg)
@@ -90,6 +93,7 @@ class _NormBackend:
         leaves = [x.detach().requires_grad_(True) for x in flat]
         run_args = _with_diff(args, cfg, optree.tree_unflatten(treedef, leaves))
         capture = _Capture(self.root, leaves, batch, self.mode)
+        capture.attention_checked = self.attention_checked
         try:
             with capture.forward():
                 out = loss_fn(*run_args, **kwargs)
@@ -213,6 +217,7 @@ class _Capture:
 
     def __init__(self, root: nn.Module, leaves: list[torch.Tensor], batch: int, mode: str) -> None:
         self.root, self.batch, self.mode = root, batch, mode
+        self.attention_checked: dict[tuple[Any, ...], bool] = {}
         self.leaves = leaves
         self.index = {id(x): i for i, x in enumerate(leaves)}
         self.anchor = torch.zeros((), device=leaves[0].device if leaves else None, requires_grad=True)
@@ -356,8 +361,10 @@ class _Capture:
         weight ``in_proj_weight``), the attention itself (which has no parameters and mixes
         positions, never examples) and ``out_proj``; each projection is tapped like a Linear,
         and the recomputation replaces the output. It is used only when it reproduces the
-        module's own output (checked here); otherwise the call goes to the module fallback.
-        Returns the replacement output, or None.
+        module's own output: checked on every call, or, with attention dropout in training
+        (the recomputation draws its own masks), once per module and call signature with
+        dropout off on both sides. Otherwise the call goes to the module fallback. Returns
+        the replacement output, or None.
         """
         out_names = {n: self.index[id(p)] for n, p in module.out_proj._parameters.items()
                      if p is not None and id(p) in self.index}
@@ -367,13 +374,16 @@ class _Capture:
         x = call["query"]
         if x.dim() != 3 or x.shape[0] != self.batch:
             return None
+        dropout = module.dropout if module.training else 0.0
+        if dropout > 0 and not self._attention_matches_without_dropout(module, args, kwargs, call):
+            return None
         taps = []
         proj = F.linear(x, module.in_proj_weight, module.in_proj_bias)
         if names:
             in_use = _Use(module, "projection", names)
             proj = _Tap.apply(self.anchor, _Report(self, in_use) if self.recording else None, 1, x, proj)
             taps.append((in_use, names, module))
-        ctx = _attention_core(proj, module.num_heads, call)
+        ctx = _attention_core(proj, module.num_heads, call, dropout)
         if ctx is None:
             return None
         out = F.linear(ctx, module.out_proj.weight, module.out_proj.bias)
@@ -381,9 +391,7 @@ class _Capture:
             out_use = _Use(module.out_proj, "linear", out_names)
             out = _Tap.apply(self.anchor, _Report(self, out_use) if self.recording else None, 1, ctx, out)
             taps.append((out_use, out_names, module.out_proj))
-        ref = output[0].detach()
-        scale = float(ref.abs().max()) if ref.numel() else 0.0
-        if not torch.allclose(out.detach(), ref, rtol=1e-4, atol=1e-5 * scale + 1e-30):
+        if dropout == 0 and not _same_output(out, output[0]):
             return None  # the taps above are never registered, so nothing reports
         if self.recording:
             for use, used, owner in taps:
@@ -393,6 +401,25 @@ class _Capture:
                     self.by_leaf[i].append((use, n))
                 self._remember_bindings(owner)
         return out, None
+
+    def _attention_matches_without_dropout(self, module: nn.MultiheadAttention, args: tuple[Any, ...],
+                                           kwargs: dict[str, Any], call: dict[str, Any]) -> bool:
+        masks = tuple((name, None if m is None else (m.dtype, m.dim())) for name in ("attn_mask", "key_padding_mask")
+                      for m in [call[name]])
+        signature = (id(module), masks, bool(call["is_causal"]), tuple(call["query"].shape[1:]))
+        if signature not in self.attention_checked:
+            rate = module.dropout
+            try:
+                module.dropout = 0.0
+                with torch.no_grad():
+                    ref = module.forward(*args, **kwargs)[0]  # .forward: no hooks
+                    proj = F.linear(call["query"], module.in_proj_weight, module.in_proj_bias)
+                    ctx = _attention_core(proj, module.num_heads, call, 0.0)
+                    ours = None if ctx is None else F.linear(ctx, module.out_proj.weight, module.out_proj.bias)
+            finally:
+                module.dropout = rate
+            self.attention_checked[signature] = ours is not None and _same_output(ours, ref)
+        return self.attention_checked[signature]
 
     def _remember_bindings(self, module: nn.Module) -> None:
         # The tensors functional_call bound to every module now, for checkpoint recomputation.
@@ -521,11 +548,9 @@ def _self_attention_arguments(module: nn.MultiheadAttention, args: tuple[Any, ..
                               kwargs: dict[str, Any]) -> dict[str, Any] | None:
     """The call's arguments when it is batch-first self-attention that the rule covers, else None:
     one packed input projection, no extra key/value biases or zero attention, no attention
-    dropout in training, no attention weights returned, query = key = value."""
+    weights returned, query = key = value."""
     if not (module.batch_first and module._qkv_same_embed_dim and module.in_proj_weight is not None
             and module.bias_k is None and module.bias_v is None and not module.add_zero_attn):
-        return None
-    if module.training and module.dropout > 0:
         return None
     try:
         bound = _MHA_SIGNATURE.bind(module, *args, **kwargs)
@@ -538,7 +563,13 @@ def _self_attention_arguments(module: nn.MultiheadAttention, args: tuple[Any, ..
     return call
 
 
-def _attention_core(proj: torch.Tensor, heads: int, call: dict[str, Any]) -> torch.Tensor | None:
+def _same_output(ours: torch.Tensor, ref: torch.Tensor) -> bool:
+    ref = ref.detach()
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    return bool(torch.allclose(ours.detach(), ref, rtol=1e-4, atol=1e-5 * scale + 1e-30))
+
+
+def _attention_core(proj: torch.Tensor, heads: int, call: dict[str, Any], dropout: float) -> torch.Tensor | None:
     """Scaled dot-product attention of the packed projection ``[B, T, 3d]`` -> ``[B, T, d]``,
     with the masks of ``F.multi_head_attention_forward`` (its mask logic, batch first)."""
     canonical = getattr(F, "_canonical_mask", None)
@@ -571,7 +602,7 @@ def _attention_core(proj: torch.Tensor, heads: int, call: dict[str, Any]) -> tor
             padding = padding.view(b, 1, 1, t)
             mask = padding if mask is None else mask + padding
             is_causal = False
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
     return out.transpose(1, 2).reshape(b, t, d)
 
 
@@ -685,7 +716,9 @@ def _whole_loss_per_example(loss_fn: Callable[..., Any], args: tuple[Any, ...], 
 
     in_dims = tuple(0 if i in cfg.batch_argnums else None for i in range(len(args)))
     with checkpoint_passthrough():
-        grads = torch.func.vmap(torch.func.grad(one), in_dims=(None, *in_dims))(tuple(base[k] for k in idx), *args)
+        grads = torch.func.vmap(torch.func.grad(one), in_dims=(None, *in_dims), randomness="different")(
+            tuple(base[k] for k in idx), *args
+        )
     return dict(zip(idx, grads))
 
 

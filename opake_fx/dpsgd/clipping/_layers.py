@@ -447,7 +447,7 @@ def module_per_example(
     xs = tuple(flat[k] for k in positions)
     gs = tuple(grads_out[k] for k in used)
     with checkpoint_passthrough():
-        return PerExampleGrad(dict(torch.func.vmap(one)(xs, gs)))
+        return PerExampleGrad(dict(torch.func.vmap(one, randomness="different")(xs, gs)))
 
 
 def choose_method(mode: str, t: int, d_in: int, d_out: int) -> Method:
