@@ -112,8 +112,16 @@ class _NormBackend:
             if u.kind == "fallback" and u.pending is not None:
                 rules[id(u)] = _fallback_rule(u, capture.names_of(u), batch)
 
+        # Parameters used by several calls: from the calls' rules and their cross terms where
+        # there are formulas, else by summing per-example gradients.
+        combined: dict[int, Any] = {}
+        for i in sorted(capture.multi):
+            parts = [(rules[id(u)], n) for u, n in capture.uses_of(i) if rules.get(id(u)) is not None]
+            rule = L.sum_of_uses(parts) if parts else None
+            if rule is not None:
+                combined[i] = rule
         per_ex: dict[int, torch.Tensor] = {}
-        for i, check in list(zip(verify, batch_grads)) + [(i, None) for i in capture.multi]:
+        for i, check in list(zip(verify, batch_grads)) + [(i, None) for i in sorted(capture.multi) if i not in combined]:
             parts = [rules[id(u)].per_example(n) for u, n in capture.uses_of(i) if rules.get(id(u)) is not None]
             pe = sum(parts[1:], parts[0]) if parts else torch.zeros((batch, *leaves[i].shape), dtype=leaves[i].dtype, device=leaves[i].device)
             if i in capture.fallback and not _adds_up(pe, check):
@@ -131,6 +139,10 @@ class _NormBackend:
         for i, leaf in enumerate(leaves):
             if i in per_ex:
                 rows.append(L.sq_norms_of(per_ex[i]))
+                continue
+            if i in combined:
+                single[i] = (combined[i], "")
+                rows.append(combined[i].sq_norm(""))
                 continue
             uses = capture.uses_of(i)
             rule = rules.get(id(uses[0][0])) if uses else None
@@ -479,7 +491,8 @@ class _Report:
         elif use.kind == "conv":
             rule = L.conv_grad(use.module, a, g, roles, cap.mode, dtype)
         elif use.kind == "embedding":
-            rule = L.EmbeddingGrad(a, g, use.module, L.compute_dtype(dtype))
+            keep_tokens = any(i in cap.multi for i in names.values())  # a tied table: cross terms need tokens
+            rule = L.EmbeddingGrad(a, g, use.module, L.compute_dtype(dtype), keep_tokens=keep_tokens)
         else:
             rule = L.norm_grad(use.module, a, g, roles, dtype)
         cap.rules[id(use)] = rule

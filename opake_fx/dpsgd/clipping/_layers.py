@@ -225,11 +225,18 @@ class EmbeddingGrad:
     and the weighted sum is one ``index_add`` of the scaled rows into the table.
     """
 
-    def __init__(self, ids: torch.Tensor, g: torch.Tensor, module: nn.Embedding, dtype: torch.dtype) -> None:
+    def __init__(self, ids: torch.Tensor, g: torch.Tensor, module: nn.Embedding, dtype: torch.dtype,
+                 keep_tokens: bool = False) -> None:
         batch = ids.shape[0]
         vocab, dim = module.num_embeddings, module.embedding_dim
         ids = ids.reshape(batch, -1).long()
         g = _as_dtype(g.reshape(batch, -1, dim), dtype)
+        # Token-level (ids [B, T], g [B, T, D], padding rows zeroed): kept only for a table
+        # that another call also uses, whose cross terms need them (:func:`sum_of_uses`).
+        self.tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+        if keep_tokens:
+            kept = g if module.padding_idx is None else g * (ids != module.padding_idx).unsqueeze(-1).to(dtype)
+            self.tokens = (ids, kept)
         owner = torch.arange(batch, device=ids.device).unsqueeze(1)
         keys = owner * vocab + ids
         if module.padding_idx is not None:
@@ -267,6 +274,140 @@ class EmbeddingGrad:
         # Only for an embedding table shared with another call (e.g. tied to an output layer).
         out = torch.zeros((self.batch, *self.shape), dtype=self.dtype, device=self.rows.device)
         return out.index_put_((self.owner, self.ids), self.rows, accumulate=True)
+
+
+class SumOfUses:
+    """A parameter used by several calls (a tied embedding and output layer, a layer applied
+    twice), without per-example gradients: ``||sum_k P_k||^2 = sum_k ||P_k||^2 + 2 sum_{k<l}
+    <P_k, P_l>``, the cross terms from the calls' stored inputs and output gradients
+    (:func:`sum_of_uses`); the weighted sum is the sum of the calls' weighted sums."""
+
+    def __init__(self, parts: list[tuple[Any, str]], sq: torch.Tensor, cross: Callable[[bool], torch.Tensor]) -> None:
+        self.parts, self._sq, self._cross = parts, sq, cross
+
+    def sq_norm(self, name: str) -> torch.Tensor:
+        return self._sq
+
+    def sq_norm_precise(self, name: str) -> torch.Tensor:
+        own = sum(rule.sq_norm_precise(n) for rule, n in self.parts)
+        return (own + 2 * self._cross(True)).clamp_min(0.0)
+
+    def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        total = None
+        for rule, n in self.parts:
+            part = rule.weighted(n, w, keep)
+            total = part if total is None else total.add_(part)
+        return total
+
+    def per_example(self, name: str) -> torch.Tensor:
+        pe = [rule.per_example(n) for rule, n in self.parts]
+        return sum(pe[1:], pe[0])
+
+
+def sum_of_uses(parts: list[tuple[Any, str]]) -> SumOfUses | None:
+    """The rule of a parameter from the rules of its calls, or None where a cross term has no
+    formula here (the caller then sums per-example gradients).
+
+    Cross terms ``<P_k, P_l>_i`` per example, all exact:
+
+    * two Linear calls of the same weight (inputs ``a``, ``a'``, output gradients ``g``, ``g'``):
+      ``sum_{t,s} (a_t . a'_s)(g_t . g'_s)``, a cross Gram product (Li et al.'s ghost norm
+      between two calls);
+    * an embedding table and a Linear using it as weight (a tied output layer): with the
+      lookup's token gradients ``e_s`` and ids ``v_s``, ``sum_{s,t} g_t[v_s] (e_s . a_t)``;
+    * the same table looked up twice: ``sum_{s,t} [v_s = v'_t] (e_s . e'_t)``;
+    * calls with small per-example gradients at hand (norm layers, biases, per-example
+      Linear weights): their inner product.
+    """
+    forms = [_cross_form(rule, name) for rule, name in parts]
+    if any(f is None for f in forms):
+        return None
+    pairs = [(forms[k], forms[l]) for k in range(len(forms)) for l in range(k + 1, len(forms))]
+    own = sum(rule.sq_norm(n) for rule, n in parts)
+
+    def cross(precise: bool) -> torch.Tensor:
+        total = torch.zeros_like(own)
+        for f, h in pairs:
+            total += _cross_term(f, h, precise)
+        return total
+
+    try:
+        c = cross(False)
+    except _NoCrossFormula:
+        return None
+    return SumOfUses(parts, (own + 2 * c).clamp_min(0.0), cross)
+
+
+class _NoCrossFormula(Exception):
+    pass
+
+
+def _cross_form(rule: Any, name: str) -> tuple[Any, ...] | None:
+    """What a call offers for cross terms: ("pe", [B, ...]), ("linear", a(lo, hi) [b, T, d_in],
+    g [B, T, d_out], weight shape), or ("tokens", ids [B, T], e [B, T, D])."""
+    if isinstance(rule, PerExampleGrad):
+        return ("pe", rule.per_example(name))
+    if isinstance(rule, EmbeddingGrad):
+        return None if rule.tokens is None else ("tokens", *rule.tokens)
+    if isinstance(rule, MatmulGrad):
+        if rule._role(name) == "bias" or rule._pe is not None:
+            return ("pe", rule.per_example(name))
+        if rule._a2 is not None and rule._g2 is not None:
+            a2, g2 = rule._a2, rule._g2
+            return ("linear", lambda lo, hi: a2[lo:hi].unsqueeze(1), g2.unsqueeze(1), rule.weight_shape)
+        if rule.patches is not None and rule.g is not None and rule.groups == 1:
+            patches, g = rule.patches, rule.g
+            return ("linear", lambda lo, hi: patches(lo, hi)[:, 0], g[:, 0], rule.weight_shape)
+    return None  # e.g. a transposed weight: no formula here
+
+
+def _cross_term(f: tuple[Any, ...], h: tuple[Any, ...], precise: bool) -> torch.Tensor:
+    if f[0] == "tokens" and h[0] != "tokens":
+        f, h = h, f
+    if f[0] == "linear" and h[0] == "pe":
+        raise _NoCrossFormula  # (a per-example weight against ghost operands: no formula here)
+    cast = (lambda x: x.double()) if precise else (lambda x: x)
+    kind = (f[0], h[0])
+    if kind == ("pe", "pe"):
+        a, b = f[1], h[1]
+        return (cast(a).reshape(a.shape[0], -1) * cast(b).reshape(b.shape[0], -1)).sum(1).double()
+    if kind == ("linear", "linear"):
+        (_, a1, g1, shape1), (_, a2, g2, shape2) = f, h
+        if shape1 != shape2:
+            raise _NoCrossFormula
+        out = []
+        batch, t1, t2 = g1.shape[0], g1.shape[1], g2.shape[1]
+        step = max(1, _CHUNK_ELEMS // max(1, t1 * t2))
+        for lo in range(0, batch, step):
+            hi = min(lo + step, batch)
+            aa = torch.bmm(cast(a1(lo, hi)), cast(a2(lo, hi)).transpose(1, 2))
+            gg = torch.bmm(cast(g1[lo:hi]), cast(g2[lo:hi]).transpose(1, 2))
+            out.append(torch.linalg.vecdot(aa.flatten(1), gg.flatten(1)).double())
+        return torch.cat(out)
+    if kind == ("linear", "tokens"):
+        (_, a_of, g, shape), (_, ids, e) = f, h
+        if tuple(shape) != (g.shape[-1], e.shape[-1]):
+            raise _NoCrossFormula
+        out = []
+        batch, th, te = g.shape[0], g.shape[1], ids.shape[1]
+        step = max(1, _CHUNK_ELEMS // max(1, th * max(te, e.shape[-1])))
+        for lo in range(0, batch, step):
+            hi = min(lo + step, batch)
+            dots = torch.bmm(cast(e[lo:hi]), cast(a_of(lo, hi)).transpose(1, 2))  # [b, Te, Th]: e_s . a_t
+            picked = torch.gather(g[lo:hi], 2, ids[lo:hi].unsqueeze(1).expand(-1, th, -1))  # [b, Th, Te]: g_t[v_s]
+            out.append((dots * cast(picked).transpose(1, 2)).flatten(1).sum(1).double())
+        return torch.cat(out)
+    if kind == ("pe", "tokens"):  # a tied output layer with per-example weight gradients [B, V, D]
+        (_, pe), (_, ids, e) = f, h
+        if pe.dim() != 3 or pe.shape[-1] != e.shape[-1]:
+            raise _NoCrossFormula
+        rows = torch.gather(pe, 1, ids.unsqueeze(-1).expand(-1, -1, pe.shape[-1]))  # [B, Te, D]: pe_i[v_s]
+        return (cast(rows) * cast(e)).flatten(1).sum(1).double()
+    if kind == ("tokens", "tokens"):
+        (_, ids1, e1), (_, ids2, e2) = f, h
+        same = (ids1.unsqueeze(2) == ids2.unsqueeze(1)).to(e1.dtype if not precise else torch.float64)
+        return (torch.bmm(cast(e1), cast(e2).transpose(1, 2)) * same).flatten(1).sum(1).double()
+    raise _NoCrossFormula
 
 
 # --- constructors -------------------------------------------------------------------
