@@ -227,3 +227,46 @@ def test_attention_dropout_check_failing_sends_the_call_to_the_fallback(monkeypa
     x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
     check(model, x, y)  # eval: no dropout; the failing check alone decides
     assert fallbacks["module"][0] == 2
+
+
+@pytest.mark.parametrize("kind", ["attention", "lstm"])
+def test_sequence_first_module_given_the_batch_first_is_an_error(kind: str) -> None:
+    # batch_first=False modules run over dim 0: with the batch there they would mix examples.
+    from opake_fx.dpsgd.clipping import clipped_grad
+    from opake_fx.errors import InputValueError
+    from opake_fx.functional import make_functional
+
+    class SeqFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.MultiheadAttention(D, H) if kind == "attention" else nn.LSTM(D, D)
+            self.head = nn.Linear(D, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.inner(x, x, x, need_weights=False)[0] if kind == "attention" else self.inner(x)[0]
+            return self.head(out).squeeze(-1).sum(-1)
+
+    fmodel, params = make_functional(SeqFirst())
+    fn, state = clipped_grad(lambda p, x: fmodel(p, x), clipping_norm=1.0, batch_argnums=(1,), clip_backend="auto",
+                             model=fmodel)
+    with pytest.raises(InputValueError, match="batch_first=True"):
+        fn(params, torch.randn(B, T, D), state=state)
+
+
+def test_sequence_first_attention_with_the_batch_second_is_exact() -> None:
+    # [T, B, d] with T != B: the layers see no batch axis first and take the whole-loss fallback.
+    torch.manual_seed(9)
+
+    class SeqFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = nn.MultiheadAttention(D, H)
+            self.head = nn.Linear(D, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            xt = x.transpose(0, 1)  # [T, B, D]
+            return self.head(self.mha(xt, xt, xt, need_weights=False)[0]).squeeze(-1).transpose(0, 1)
+
+    x, y = torch.randn(B, T, D, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    with pytest.warns(Warning):
+        check(SeqFirst(), x, y)

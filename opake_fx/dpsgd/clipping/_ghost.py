@@ -315,6 +315,16 @@ class _Capture:
                 "example's gradient depends on the others and clipping it bounds nothing. Use GroupNorm or "
                 "LayerNorm (or put the BatchNorm in eval mode) for DP training."
             )
+        if isinstance(module, (nn.MultiheadAttention, nn.RNNBase)) and not module.batch_first:
+            x = args[0] if args else kwargs.get("query", kwargs.get("input"))
+            if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] == self.batch:
+                raise InputValueError(
+                    f"{type(module).__name__}(batch_first=False) got an input of shape {tuple(x.shape)} whose first "
+                    f"dimension is the batch size {self.batch}: either the batch is first, and the module then "
+                    "mixes examples along it (one example's gradient would depend on the others), or the "
+                    "sequence length equals the batch size, and no layer can tell positions from examples. "
+                    "Build the module with batch_first=True and pass [batch, sequence, features]."
+                )
         names = {}
         for n, p in module._parameters.items():
             i = self.index.get(id(p))
