@@ -26,6 +26,7 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/accounting.py
 	$(PY) benchmarks/clipping.py --quick
+	$(PY) benchmarks/architectures.py --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
