@@ -270,3 +270,74 @@ def test_sequence_first_attention_with_the_batch_second_is_exact() -> None:
     x, y = torch.randn(B, T, D, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
     with pytest.warns(Warning):
         check(SeqFirst(), x, y)
+
+
+class CrossAttention(nn.Module):
+    """Queries from one sequence, keys = values from another (an encoder's memory)."""
+
+    def __init__(self, call: dict[str, Any], **mha: Any) -> None:
+        super().__init__()
+        self.inp, self.mem = nn.Linear(3, D), nn.Linear(3, D)
+        self.mha = nn.MultiheadAttention(D, H, batch_first=True, **mha)
+        self.head = nn.Linear(D, 1)
+        self.call = call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, m = torch.tanh(self.inp(x)), torch.tanh(self.mem(x[:, :-2].flip(1)))  # memory of S = T - 2
+        kw = {k: (v(x) if callable(v) else v) for k, v in self.call.items()}
+        return self.head(self.mha(h, m, m, **{"need_weights": False, **kw})[0]).squeeze(-1)
+
+
+def memory_padding(x: torch.Tensor) -> torch.Tensor:
+    lengths = 1 + (x[:, 0, 0].abs() * 7).long() % (x.shape[1] - 2)
+    return torch.arange(x.shape[1] - 2).expand(x.shape[0], -1) >= lengths[:, None]
+
+
+def memory_mask(x: torch.Tensor) -> torch.Tensor:
+    return torch.ones(x.shape[1], x.shape[1] - 2, dtype=torch.bool).triu(2)
+
+
+CROSS_CASES = {
+    "no mask": {},
+    "memory padding": {"key_padding_mask": memory_padding},
+    "memory mask": {"attn_mask": memory_mask},
+    "both": {"attn_mask": memory_mask, "key_padding_mask": memory_padding},
+}
+
+
+@pytest.mark.parametrize("case", CROSS_CASES, ids=list(CROSS_CASES))
+def test_cross_attention_rule_matches_per_example_autograd(case: str, fallbacks: dict[str, list[int]]) -> None:
+    torch.manual_seed(10)
+    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    check(CrossAttention(CROSS_CASES[case]), x, y)
+    assert fallbacks["module"][0] == 0 and fallbacks["whole"][0] == 0
+
+
+def test_cross_attention_dropout_uses_the_rule(monkeypatch: pytest.MonkeyPatch, fallbacks: dict[str, list[int]]) -> None:
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", deterministic_dropout_attention)
+    torch.manual_seed(11)
+    model = CrossAttention({"key_padding_mask": memory_padding}, dropout=0.25).train()
+    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    check(model, x, y)
+    assert fallbacks["module"][0] == 0 and fallbacks["whole"][0] == 0
+
+
+def test_transformer_decoder_uses_rules_only(fallbacks: dict[str, list[int]]) -> None:
+    torch.manual_seed(12)
+
+    class Seq2Seq(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.src, self.tgt = nn.Linear(3, D), nn.Linear(3, D)
+            self.model = nn.Transformer(D, H, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=16,
+                                        dropout=0.0, batch_first=True)
+            self.head = nn.Linear(D, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            tgt_mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+            out = self.model(self.src(x.flip(1)), self.tgt(x), tgt_mask=tgt_mask, tgt_is_causal=True)
+            return self.head(out).squeeze(-1)
+
+    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    check(Seq2Seq(), x, y)
+    assert fallbacks["module"][0] == 0 and fallbacks["whole"][0] == 0

@@ -14,9 +14,9 @@ goes. The engine turns norms into weights ``w_i``; the rules then form
 ``sum_i w_i dP_i`` (book-keeping, Bu et al. 2023). Cost: one forward, one backward, the
 norms; never a second backward pass.
 
-``nn.MultiheadAttention`` used as batch-first self-attention is recomputed in its forward
-hook from its two projections, each tapped as a Linear; the recomputation replaces the
-module's output when it reproduces it (checked on every call).
+``nn.MultiheadAttention`` used as batch-first self- or cross-attention is recomputed in
+its forward hook from its projections, each tapped as a Linear; the recomputation replaces
+the module's output when it reproduces it (checked on every call).
 
 Whatever the rules cannot do exactly goes to an exact fallback, per parameter:
 
@@ -180,7 +180,7 @@ class _NormBackend:
 class _Use:
     """One call of one module that used differentiated parameters."""
 
-    __slots__ = ("module", "kind", "names", "spec", "items", "positions", "n_out", "bound", "pending")
+    __slots__ = ("module", "kind", "names", "spec", "items", "positions", "n_out", "bound", "pending", "block")
 
     def __init__(self, module: nn.Module, kind: str, names: dict[str, int]) -> None:
         self.module, self.kind, self.names = module, kind, names
@@ -190,6 +190,7 @@ class _Use:
         self.n_out = 0
         self.bound: dict[str, torch.Tensor] | None = None  # fallback only: params and buffers it used
         self.pending: tuple[tuple[torch.Tensor, ...], tuple[Any, ...]] | None = None  # fallback: (inputs, grads)
+        self.block: tuple[int, int] | None = None  # attention projections: rows of in_proj_weight they use
 
 
 class _Tap(torch.autograd.Function):
@@ -377,44 +378,44 @@ class _Capture:
 
     def _attention(self, module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
                    names: dict[str, int]) -> Any:
-        """Self-attention through ``nn.MultiheadAttention`` as two tapped Linears.
+        """Self- or cross-attention through ``nn.MultiheadAttention`` as tapped Linears.
 
-        The module's output is recomputed from its packed input projection (a Linear with
-        weight ``in_proj_weight``), the attention itself (which has no parameters and mixes
-        positions, never examples) and ``out_proj``; each projection is tapped like a Linear,
-        and the recomputation replaces the output. It is used only when it reproduces the
-        module's own output: checked on every call, or, with attention dropout in training
-        (the recomputation draws its own masks), once per module and call signature with
-        dropout off on both sides. Otherwise the call goes to the module fallback. Returns
-        the replacement output, or None.
+        The module's output is recomputed from its packed input projection (one Linear
+        with weight ``in_proj_weight`` for self-attention; for cross-attention a Linear on
+        the query with its first ``d`` rows and one on the memory with the other ``2d``),
+        the attention itself (no parameters; it mixes positions, never examples) and
+        ``out_proj``; each projection is tapped like a Linear, and the recomputation
+        replaces the output. It is used only when it reproduces the module's own output:
+        checked on every call, or, with attention dropout in training (the recomputation
+        draws its own masks), once per module and call signature with dropout off on both
+        sides. Otherwise the call goes to the module fallback. Returns the replacement
+        output, or None.
         """
         out_names = {n: self.index[id(p)] for n, p in module.out_proj._parameters.items()
                      if p is not None and id(p) in self.index}
-        call = _self_attention_arguments(module, args, kwargs) if (names or out_names) else None
+        call = _attention_arguments(module, args, kwargs) if (names or out_names) else None
         if call is None or not isinstance(output, tuple) or output[1] is not None:
             return None
-        x = call["query"]
-        if x.dim() != 3 or x.shape[0] != self.batch:
+        query, memory = call["query"], call["key"]
+        if query.dim() != 3 or memory.dim() != 3 or query.shape[0] != self.batch or memory.shape[0] != self.batch:
             return None
         dropout = module.dropout if module.training else 0.0
         if dropout > 0 and not self._attention_matches_without_dropout(module, args, kwargs, call):
             return None
-        taps = []
-        proj = F.linear(x, module.in_proj_weight, module.in_proj_bias)
-        if names:
-            in_use = _Use(module, "projection", names)
-            proj = _Tap.apply(self.anchor, _Report(self, in_use) if self.recording else None, 1, x, proj)
-            taps.append((in_use, names, module))
-        ctx = _attention_core(proj, module.num_heads, call, dropout)
-        if ctx is None:
-            return None
-        out = F.linear(ctx, module.out_proj.weight, module.out_proj.bias)
-        if out_names:
-            out_use = _Use(module.out_proj, "linear", out_names)
-            out = _Tap.apply(self.anchor, _Report(self, out_use) if self.recording else None, 1, ctx, out)
-            taps.append((out_use, out_names, module.out_proj))
-        if dropout == 0 and not _same_output(out, output[0]):
-            return None  # the taps above are never registered, so nothing reports
+        taps: list[tuple[_Use, dict[str, int], nn.Module]] = []
+
+        def tap(kind: str, owner: nn.Module, used: dict[str, int], a: torch.Tensor, y: torch.Tensor,
+                block: tuple[int, int] | None = None) -> torch.Tensor:
+            if not used:
+                return y
+            use = _Use(owner, kind, used)
+            use.block = block
+            taps.append((use, used, owner))
+            return _Tap.apply(self.anchor, _Report(self, use) if self.recording else None, 1, a, y)
+
+        out = _attention_forward(module, call, dropout, tap, names, out_names)
+        if out is None or (dropout == 0 and not _same_output(out, output[0])):
+            return None  # the taps made above are never registered, so nothing reports
         if self.recording:
             for use, used, owner in taps:
                 use.n_out = 1
@@ -428,16 +429,15 @@ class _Capture:
                                            kwargs: dict[str, Any], call: dict[str, Any]) -> bool:
         masks = tuple((name, None if m is None else (m.dtype, m.dim())) for name in ("attn_mask", "key_padding_mask")
                       for m in [call[name]])
-        signature = (id(module), masks, bool(call["is_causal"]), tuple(call["query"].shape[1:]))
+        signature = (id(module), masks, bool(call["is_causal"]), call["query"] is call["key"],
+                     tuple(call["query"].shape[1:]), tuple(call["key"].shape[1:]))
         if signature not in self.attention_checked:
             rate = module.dropout
             try:
                 module.dropout = 0.0
                 with torch.no_grad():
                     ref = module.forward(*args, **kwargs)[0]  # .forward: no hooks
-                    proj = F.linear(call["query"], module.in_proj_weight, module.in_proj_bias)
-                    ctx = _attention_core(proj, module.num_heads, call, 0.0)
-                    ours = None if ctx is None else F.linear(ctx, module.out_proj.weight, module.out_proj.bias)
+                    ours = _attention_forward(module, call, 0.0, lambda kind, owner, used, a, y, block=None: y, {}, {})
             finally:
                 module.dropout = rate
             self.attention_checked[signature] = ours is not None and _same_output(ours, ref)
@@ -492,10 +492,13 @@ class _Report:
         dtype = cap.leaves[next(iter(names.values()))].dtype
         if use.kind == "linear":
             rule: Any = L.linear_grad(use.module, a, g, roles, cap.mode, dtype)
-        elif use.kind == "projection":  # nn.MultiheadAttention's packed input projection
+        elif use.kind == "projection":  # rows lo:hi of nn.MultiheadAttention's packed input projection
             d = use.module.embed_dim
+            lo, hi = use.block or (0, 3 * d)
             roles = {role: n for role, n in (("weight", "in_proj_weight"), ("bias", "in_proj_bias")) if n in names}
-            rule = L.projection_grad(a, g, d, 3 * d, roles, cap.mode, dtype)
+            rule = L.projection_grad(a, g, d, hi - lo, roles, cap.mode, dtype)
+            if (lo, hi) != (0, 3 * d):
+                rule = L.BlockRows(rule, lo, hi, 3 * d)
         elif use.kind == "linear_t":
             rule = L.transposed_linear_grad(use.module, a, g, roles, cap.mode, dtype)
         elif use.kind == "conv":
@@ -567,11 +570,11 @@ def _kind(module: nn.Module) -> str:
 _MHA_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
 
-def _self_attention_arguments(module: nn.MultiheadAttention, args: tuple[Any, ...],
-                              kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """The call's arguments when it is batch-first self-attention that the rule covers, else None:
+def _attention_arguments(module: nn.MultiheadAttention, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The call's arguments when it is batch-first attention that the rule covers, else None:
     one packed input projection, no extra key/value biases or zero attention, no attention
-    weights returned, query = key = value."""
+    weights returned, and key = value (self-attention: query = key = value too)."""
     if not (module.batch_first and module._qkv_same_embed_dim and module.in_proj_weight is not None
             and module.bias_k is None and module.bias_v is None and not module.add_zero_attn):
         return None
@@ -581,9 +584,33 @@ def _self_attention_arguments(module: nn.MultiheadAttention, args: tuple[Any, ..
         return None
     bound.apply_defaults()
     call = bound.arguments
-    if call["need_weights"] or not (call["query"] is call["key"] is call["value"]):
+    if call["need_weights"] or call["key"] is not call["value"]:
+        return None
+    if not all(isinstance(call[k], torch.Tensor) for k in ("query", "key")):
         return None
     return call
+
+
+def _attention_forward(module: nn.MultiheadAttention, call: dict[str, Any], dropout: float, tap: Callable[..., Any],
+                       names: dict[str, int], out_names: dict[str, int]) -> torch.Tensor | None:
+    """The module's output from explicit projections; ``tap(kind, owner, names, a, y, block)``
+    wraps each projection's output (identity when nothing is differentiated)."""
+    query, memory = call["query"], call["key"]
+    d = module.embed_dim
+    weight, bias = module.in_proj_weight, module.in_proj_bias
+    if query is memory:
+        proj = tap("projection", module, names, query, F.linear(query, weight, bias), (0, 3 * d))
+        q_proj, kv_proj = proj[..., :d], proj[..., d:]
+    else:
+        q_proj = F.linear(query, weight[:d], None if bias is None else bias[:d])
+        kv_proj = F.linear(memory, weight[d:], None if bias is None else bias[d:])
+        q_proj = tap("projection", module, names, query, q_proj, (0, d))
+        kv_proj = tap("projection", module, names, memory, kv_proj, (d, 3 * d))
+    ctx = _attention_core(q_proj, kv_proj, module.num_heads, call, dropout)
+    if ctx is None:
+        return None
+    out = F.linear(ctx, module.out_proj.weight, module.out_proj.bias)
+    return tap("linear", module.out_proj, out_names, ctx, out)
 
 
 def _same_output(ours: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -592,37 +619,40 @@ def _same_output(ours: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(torch.allclose(ours.detach(), ref, rtol=1e-4, atol=1e-5 * scale + 1e-30))
 
 
-def _attention_core(proj: torch.Tensor, heads: int, call: dict[str, Any], dropout: float) -> torch.Tensor | None:
-    """Scaled dot-product attention of the packed projection ``[B, T, 3d]`` -> ``[B, T, d]``,
-    with the masks of ``F.multi_head_attention_forward`` (its mask logic, batch first)."""
+def _attention_core(q_proj: torch.Tensor, kv_proj: torch.Tensor, heads: int, call: dict[str, Any],
+                    dropout: float) -> torch.Tensor | None:
+    """Scaled dot-product attention of projected queries ``[B, T, d]`` over projected keys and
+    values ``[B, S, 2d]`` -> ``[B, T, d]``, with the masks of ``F.multi_head_attention_forward``
+    (its mask logic, batch first)."""
     canonical = getattr(F, "_canonical_mask", None)
     none_or_dtype = getattr(F, "_none_or_dtype", None)
     if canonical is None or none_or_dtype is None:
         return None
-    b, t, three_d = proj.shape
-    d = three_d // 3
-    q, k, v = proj.view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+    b, t, d = q_proj.shape
+    s = kv_proj.shape[1]
+    q = q_proj.reshape(b, t, heads, d // heads).transpose(1, 2)
+    k, v = kv_proj.reshape(b, s, 2, heads, d // heads).permute(2, 0, 3, 1, 4)
     attn_mask, padding, is_causal = call["attn_mask"], call["key_padding_mask"], bool(call["is_causal"])
     padding = canonical(mask=padding, mask_name="key_padding_mask", other_type=none_or_dtype(attn_mask),
-                        other_name="attn_mask", target_type=proj.dtype)
+                        other_name="attn_mask", target_type=q_proj.dtype)
     if is_causal and attn_mask is None:
         return None
     if is_causal and padding is None:
         mask = None  # F.multi_head_attention_forward hands the causal hint to SDPA
     else:
         mask = canonical(mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="",
-                         target_type=proj.dtype, check_other=False)
+                         target_type=q_proj.dtype, check_other=False)
         if mask is not None:
             if mask.dim() == 2:
-                mask = mask.view(1, 1, t, -1)
+                mask = mask.view(1, 1, t, s)
             elif mask.dim() == 3:
-                mask = mask.view(b, heads, t, -1)
+                mask = mask.view(b, heads, t, s)
             else:
                 return None
         if padding is not None:
-            if padding.shape != (b, t):
+            if padding.shape != (b, s):
                 return None
-            padding = padding.view(b, 1, 1, t)
+            padding = padding.view(b, 1, 1, s)
             mask = padding if mask is None else mask + padding
             is_causal = False
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)

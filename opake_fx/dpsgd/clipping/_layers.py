@@ -276,6 +276,34 @@ class EmbeddingGrad:
         return out.index_put_((self.owner, self.ids), self.rows, accumulate=True)
 
 
+class BlockRows:
+    """A rule for rows ``lo:hi`` of a parameter with ``rows`` rows (the query or key/value
+    part of ``nn.MultiheadAttention``'s packed input projection in cross-attention): norms
+    are the wrapped rule's, weighted sums and per-example gradients are placed in those rows
+    of zeros. Two blocks of disjoint rows have no cross term."""
+
+    def __init__(self, rule: MatmulGrad, lo: int, hi: int, rows: int) -> None:
+        self.rule, self.lo, self.hi, self.rows = rule, lo, hi, rows
+
+    def sq_norm(self, name: str) -> torch.Tensor:
+        return self.rule.sq_norm(name)
+
+    def sq_norm_precise(self, name: str) -> torch.Tensor:
+        return self.rule.sq_norm_precise(name)
+
+    def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        part = self.rule.weighted(name, w, keep)
+        out = part.new_zeros((self.rows, *part.shape[1:]))
+        out[self.lo : self.hi] = part
+        return out
+
+    def per_example(self, name: str) -> torch.Tensor:
+        part = self.rule.per_example(name)
+        out = part.new_zeros((part.shape[0], self.rows, *part.shape[2:]))
+        out[:, self.lo : self.hi] = part
+        return out
+
+
 class SumOfUses:
     """A parameter used by several calls (a tied embedding and output layer, a layer applied
     twice), without per-example gradients: ``||sum_k P_k||^2 = sum_k ||P_k||^2 + 2 sum_{k<l}
@@ -328,6 +356,10 @@ def sum_of_uses(parts: list[tuple[Any, str]]) -> SumOfUses | None:
     def cross(precise: bool) -> torch.Tensor:
         total = torch.zeros_like(own)
         for f, h in pairs:
+            if f[0] == "block" or h[0] == "block":
+                if f[0] == h[0] == "block" and (f[2] <= h[1] or h[2] <= f[1]):
+                    continue  # disjoint rows: orthogonal
+                raise _NoCrossFormula
             total += _cross_term(f, h, precise)
         return total
 
@@ -345,6 +377,8 @@ class _NoCrossFormula(Exception):
 def _cross_form(rule: Any, name: str) -> tuple[Any, ...] | None:
     """What a call offers for cross terms: ("pe", [B, ...]), ("linear", a(lo, hi) [b, T, d_in],
     g [B, T, d_out], weight shape), or ("tokens", ids [B, T], e [B, T, D])."""
+    if isinstance(rule, BlockRows):
+        return ("block", rule.lo, rule.hi)
     if isinstance(rule, PerExampleGrad):
         return ("pe", rule.per_example(name))
     if isinstance(rule, EmbeddingGrad):
