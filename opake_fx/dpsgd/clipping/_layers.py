@@ -276,20 +276,29 @@ class EmbeddingGrad:
         return out.index_put_((self.owner, self.ids), self.rows, accumulate=True)
 
 
-class BlockRows:
-    """A rule for rows ``lo:hi`` of a parameter with ``rows`` rows (the query or key/value
-    part of ``nn.MultiheadAttention``'s packed input projection in cross-attention): norms
-    are the wrapped rule's, weighted sums and per-example gradients are placed in those rows
-    of zeros. Two blocks of disjoint rows have no cross term."""
+class _Rearranged:
+    """A rule whose norms are the wrapped rule's (a transpose or a zero padding keeps them);
+    subclasses rearrange its weighted sums and per-example gradients."""
 
-    def __init__(self, rule: MatmulGrad, lo: int, hi: int, rows: int) -> None:
-        self.rule, self.lo, self.hi, self.rows = rule, lo, hi, rows
+    def __init__(self, rule: MatmulGrad) -> None:
+        self.rule = rule
 
     def sq_norm(self, name: str) -> torch.Tensor:
         return self.rule.sq_norm(name)
 
     def sq_norm_precise(self, name: str) -> torch.Tensor:
         return self.rule.sq_norm_precise(name)
+
+
+class BlockRows(_Rearranged):
+    """A rule for rows ``lo:hi`` of a parameter with ``rows`` rows (the query or key/value
+    part of ``nn.MultiheadAttention``'s packed input projection in cross-attention): norms
+    are the wrapped rule's, weighted sums and per-example gradients are placed in those rows
+    of zeros. Two blocks of disjoint rows have no cross term."""
+
+    def __init__(self, rule: MatmulGrad, lo: int, hi: int, rows: int) -> None:
+        super().__init__(rule)
+        self.lo, self.hi, self.rows = lo, hi, rows
 
     def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         part = self.rule.weighted(name, w, keep)
@@ -500,17 +509,12 @@ def transposed_linear_grad(
     return TransposedWeight(rule, names.get("weight"))
 
 
-class TransposedWeight:
+class TransposedWeight(_Rearranged):
     """A rule whose weight parameter is the transpose of the wrapped rule's ``[d_out, d_in]`` weight."""
 
     def __init__(self, rule: MatmulGrad, weight_name: str | None) -> None:
-        self.rule, self.weight_name = rule, weight_name
-
-    def sq_norm(self, name: str) -> torch.Tensor:
-        return self.rule.sq_norm(name)
-
-    def sq_norm_precise(self, name: str) -> torch.Tensor:
-        return self.rule.sq_norm_precise(name)
+        super().__init__(rule)
+        self.weight_name = weight_name
 
     def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         out = self.rule.weighted(name, w, keep)
