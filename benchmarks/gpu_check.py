@@ -8,7 +8,9 @@ script itself is tested where there is no GPU.
 Checks, each printed as ``PASS``/``FAIL`` with its measured error:
 
 * **clipping, float64** — for the benchmark's four model kinds (MLP, CNN with GroupNorm,
-  transformer LM, embedding classifier) the ``vmap``, ``ghost`` and ``auto`` backends
+  transformer LM, embedding classifier) and a torch-native causal ``nn.TransformerEncoder``
+  with a tied embedding and head (the attention rule and the tied cross terms), the
+  ``vmap``, ``ghost`` and ``auto`` backends
   against a per-example autograd loop on the same device: clipped sum within 1e-9 of the
   largest entry, norms within 1e-9 relative; every output leaf on the device.
 * **clipping, float32** — ``auto`` against ``vmap`` within 1e-5 of the largest entry (the
@@ -38,6 +40,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,7 +55,25 @@ from opake_fx.random import flat_tree_normal, key  # noqa: E402
 from opake_fx.types import ClippedPytree  # noqa: E402
 
 # Small batches: the checks are about arithmetic and devices, not speed.
-CHECK_BATCHES = {"mlp": 16, "cnn": 6, "lm": 4, "embbag": 8}
+CHECK_BATCHES = {"mlp": 16, "cnn": 6, "lm": 4, "embbag": 8, "tied-encoder": 4}
+
+
+class TiedEncoderLM(nn.Module):
+    """A torch-native causal encoder (the attention rule) with a tied embedding and head
+    (the tied-parameter cross terms)."""
+
+    def __init__(self, vocab: int = 50, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, 2, 32, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device,
+                                                              dtype=self.emb.weight.dtype)
+        return self.head(self.enc(self.emb(ids), mask=mask, is_causal=True))
 NOISE_DRAWS = 1 << 22
 
 
@@ -70,6 +92,16 @@ class Report:
 
 
 def _setup(kind: str, device: str, dtype: torch.dtype) -> tuple[Any, tuple[torch.Tensor, ...], Any, Any, Callable[..., Any]]:
+    if kind == "tied-encoder":
+        torch.manual_seed(0)
+        model = TiedEncoderLM().to(device=device, dtype=dtype)
+        ids = torch.randint(0, 50, (CHECK_BATCHES[kind], 9), generator=torch.Generator().manual_seed(1)).to(device)
+        fmodel, params = make_functional(model.eval())
+
+        def lm(p: Any, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(fmodel(p, xb).transpose(1, 2), yb, reduction="none").mean(1)
+
+        return fmodel, params, ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), lm
     model = bench.build(kind).to(device=device, dtype=dtype)
     x, y = bench.data(kind, CHECK_BATCHES[kind])
     x = x.to(device=device, dtype=dtype) if x.is_floating_point() else x.to(device)

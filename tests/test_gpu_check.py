@@ -25,8 +25,8 @@ def gpu_check():
 def test_checks_pass_on_cpu(gpu_check):
     report = gpu_check.run_checks("cpu")
     assert report.ok, "\n".join(line for line in report.lines if line.startswith("FAIL"))
-    # 4 model kinds x (3 backends + microbatching + float32) + 3 noise checks
-    assert len(report.lines) == 4 * 5 + 3
+    # 5 model kinds x (3 backends + microbatching + float32) + 3 noise checks
+    assert len(report.lines) == 5 * 5 + 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
