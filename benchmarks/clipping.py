@@ -32,7 +32,7 @@ Workloads (2 CPU threads):
 * ``cnn``    — 28x28x1: conv 16 + GroupNorm + ReLU + pool, conv 32 + GroupNorm + ReLU + pool,
   linear 10; batch 64 and 256.
 * ``lm``     — causal transformer LM: vocab 1000, d_model 128, 2 blocks of 4-head attention
-  (written from ``nn.Linear`` + ``F.scaled_dot_product_attention``, since
+  (written from ``nn.Linear`` + ``F.scaled_dot_product_attention``, as Opacus hooks need:
   ``nn.MultiheadAttention`` keeps a packed ``in_proj_weight`` outside any Linear) and a
   512-wide MLP, LayerNorm, learned position embeddings; seq 64, batch 16 and 64.
 * ``embbag`` — text classifier: ``nn.Embedding(20000, 64)``, mean over 64 tokens, linear 4;
