@@ -92,8 +92,7 @@ class _NormBackend:
         _, flat, treedef = tree_flatten_with_paths(_diff_tree(args, cfg))
         leaves = [x.detach().requires_grad_(True) for x in flat]
         run_args = _with_diff(args, cfg, optree.tree_unflatten(treedef, leaves))
-        capture = _Capture(self.root, leaves, batch, self.mode)
-        capture.attention_checked = self.attention_checked
+        capture = _Capture(self.root, leaves, batch, self.mode, self.attention_checked)
         try:
             with capture.forward():
                 out = loss_fn(*run_args, **kwargs)
@@ -228,9 +227,10 @@ class _Tap(torch.autograd.Function):
 class _Capture:
     """Hooks, taps and per-leaf bookkeeping for one (micro)batch."""
 
-    def __init__(self, root: nn.Module, leaves: list[torch.Tensor], batch: int, mode: str) -> None:
+    def __init__(self, root: nn.Module, leaves: list[torch.Tensor], batch: int, mode: str,
+                 attention_checked: dict[tuple[Any, ...], bool]) -> None:
         self.root, self.batch, self.mode = root, batch, mode
-        self.attention_checked: dict[tuple[Any, ...], bool] = {}
+        self.attention_checked = attention_checked  # the backend's, kept across steps
         self.leaves = leaves
         self.index = {id(x): i for i, x in enumerate(leaves)}
         self.anchor = torch.zeros((), device=leaves[0].device if leaves else None, requires_grad=True)
@@ -239,7 +239,7 @@ class _Capture:
         self.whole: set[int] = set()  # leaves only the whole-loss fallback can handle
         self.why: dict[int, tuple[str, nn.Module | None, str]] = {}  # leaf -> (reason, module, param name)
         self.fallback: set[int] = set()  # leaves with a module-fallback use (checked against the batch gradient)
-        self.multi: set[int] = set()  # leaves used by several calls: per-example gradients summed
+        self.multi: set[int] = set()  # leaves used by several calls: rules plus cross terms (or summed)
         self.by_leaf: dict[int, list[tuple[_Use, str]]] = {i: [] for i in range(len(leaves))}
         self.handles: list[Any] = []
         self.recording = False
