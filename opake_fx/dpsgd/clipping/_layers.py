@@ -492,21 +492,7 @@ def transposed_linear_grad(
     Hugging Face's ``Conv1D`` (GPT-2). The Linear rule on ``W^T``; norms are unchanged by
     the transpose, weighted sums and per-example weights are transposed back."""
     d_in, d_out = module.weight.shape
-    batch = a.shape[0]
-    dtype = compute_dtype(dtype)
-    a3 = a.reshape(batch, 1, -1, d_in)
-    t = a3.shape[2]
-    rule = MatmulGrad(
-        lambda lo, hi: a3[lo:hi],
-        g.reshape(batch, 1, t, d_out),
-        d_in=d_in,
-        weight_shape=(d_out, d_in) if "weight" in names else None,
-        bias_shape=(d_out,) if "bias" in names else None,
-        names=names,
-        method=choose_method(mode, t, d_in, d_out),
-        dtype=dtype,
-    )
-    return TransposedWeight(rule, names.get("weight"))
+    return TransposedWeight(projection_grad(a, g, d_in, d_out, names, mode, dtype), names.get("weight"))
 
 
 class TransposedWeight(_Rearranged):
