@@ -2,12 +2,13 @@
 
 Every function here flattens with the ``"opake_fx"`` optree namespace, so the DP
 wrappers of :mod:`opake_fx.types` (``ClippedPytree``, ``NoisedPytree``, ...) are
-traversed to their tensors while their metadata (``max_norm``, ``noise_stddev``)
-travels unchanged. ``None`` is an empty subtree, as in JAX.
+traversed to their tensors. ``None`` is an empty subtree, as in JAX.
 
-Privacy: everything here is post-processing; nothing changes a guarantee. (Scaling a
-``ClippedPytree`` through :func:`scale` scales its tensors, *not* its ``max_norm``:
-use the wrapper's own ``*`` operator when the sensitivity must follow.)
+Privacy: a map cannot know whether it keeps a sensitivity bound, so every function
+here that builds a new tree (:func:`tree_map`, :func:`add`, :func:`scale`,
+:func:`zeros_like`, ...) returns a DP wrapper's *plain* pytree, without ``max_norm`` or
+``noise_stddev``; noise stages refuse it. To keep the guarantee, use the wrapper's own
+``*``/``/`` by a public scalar or ``ClippedPytree.map(fn, lipschitz=L)``.
 
 Example:
     >>> import torch
@@ -54,7 +55,22 @@ PyTree = Any
 
 
 def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
-    """Applies ``fn`` to corresponding leaves of ``tree`` and ``rest``."""
+    """Applies ``fn`` to corresponding leaves of ``tree`` and ``rest``.
+
+    Privacy: a DP wrapper (``ClippedPytree``, ``NoisedPytree``) in the output is
+    replaced by its plain pytree: ``fn`` could change values by any amount, so the
+    wrapper's ``max_norm`` would no longer bound the sensitivity. Use
+    ``ClippedPytree.map(fn, lipschitz=L)`` to keep it with a declared bound.
+
+    Example:
+        >>> import torch
+        >>> from opake_fx.types import ClippedPytree
+        >>> tree_map(torch.neg, {"w": torch.ones(2)})["w"].tolist()
+        [-1.0, -1.0]
+        >>> g = ClippedPytree({"w": torch.ones(2)}, max_norm=0.5)
+        >>> sorted(tree_map(lambda x: 10 * x, g))    # a plain dict: the noise stage refuses it
+        ['w']
+    """
     return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
 
 

@@ -10,15 +10,29 @@
   first- and second-moment streams.
 
 All are frozen dataclasses registered as optree nodes in the ``"opake_fx"``
-namespace: :func:`opake_fx.pytree.tree_map` reaches their tensors and the metadata
-travels unchanged. Noise stages read ``max_norm`` from the value instead of being told
-it, so they cannot be given the wrong sensitivity.
+namespace, so :func:`opake_fx.pytree.leaves` and friends reach their tensors. Noise
+stages read ``max_norm`` from the value instead of being told it, so they cannot be
+given the wrong sensitivity.
+
+A guarantee is never inherited by accident. The values validate themselves at
+construction (``max_norm`` a real number > 0, or ``inf`` for "not clipped";
+``noise_stddev`` a finite real >= 0 or ``None``), and any generic map —
+:func:`opake_fx.pytree.tree_map`, ``optree.tree_map(..., namespace="opake_fx")``, or
+anything else that rebuilds the node from its leaves — returns the *plain* inner pytree,
+which noise stages refuse. The operations that keep the guarantee prove it: ``*`` and
+``/`` by a public scalar (``max_norm`` scales by ``|factor|``), and
+:meth:`ClippedPytree.map` with a declared Lipschitz bound.
 
 Example:
     >>> import torch
+    >>> from opake_fx.pytree import tree_map
     >>> g = ClippedPytree((torch.ones(3),), max_norm=0.25)
     >>> (2 * g).max_norm
     0.5
+    >>> type(tree_map(lambda x: 10 * x, g)).__name__    # the guarantee is dropped
+    'tuple'
+    >>> g.map(lambda x: 10 * x, lipschitz=10.0).max_norm  # ... unless the map declares its bound
+    2.5
 """
 
 from __future__ import annotations
@@ -27,7 +41,7 @@ import math
 from dataclasses import dataclass, fields, replace
 from numbers import Real
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import optree
 import torch
@@ -143,20 +157,86 @@ class ClippedPytree:
 
     Privacy contract: adding or removing one example changes ``pytree`` by at most
     ``max_norm`` in L2 norm (``max_norm.effective`` for :class:`PerGroup`). The only
-    arithmetic allowed is multiplication or division by a public scalar, which
-    scales ``max_norm`` too; anything else must be done on ``.pytree`` and re-wrapped
-    with an explicit ``max_norm``.
+    operations that keep the wrapper are multiplication or division by a public scalar
+    (``max_norm`` scales by ``|factor|``) and :meth:`map` with a declared Lipschitz
+    bound. Any other map (:func:`opake_fx.pytree.tree_map` included) returns the plain
+    pytree, which noise stages refuse; re-wrap it only with a ``max_norm`` you can justify.
+
+    ``max_norm`` must be a real number > 0 (``inf`` means "not clipped": noise stages
+    accept it only with ``noise_multiplier=0``) or a :class:`PerGroup` with a positive
+    ``effective`` value. Zero is refused: it would state that the value depends on no
+    example at all, so a noise stage would add no noise; it only ever comes from a
+    mistake (a hand-wrapped gradient, a scale by 0, ``normalize_by=inf``). A value that
+    really depends on no example needs no DP wrapper.
+
+    Raises:
+        InputTypeError: ``max_norm`` is not a real number or a ``PerGroup`` (a tensor,
+            which could depend on private data, included).
+        InputValueError: ``max_norm`` is negative, zero or NaN.
+
+    Example:
+        >>> import torch
+        >>> ClippedPytree((torch.ones(2),), max_norm=0.5).sensitivity
+        0.5
+        >>> ClippedPytree((torch.ones(2),), max_norm=-1.0)
+        Traceback (most recent call last):
+        ...
+        opake_fx.errors.InputValueError: ClippedPytree max_norm must be > 0 (the L2 sensitivity C / normalize_by, or inf for an unclipped value); got -1.0. A negative bound is meaningless: pass the clip norm divided by the batch normalisation.
     """
 
     pytree: Any
     max_norm: MaxNorm
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_norm", _check_max_norm(self.max_norm, type(self).__name__))
 
     @property
     def sensitivity(self) -> float:
         """The scalar L2 sensitivity (``max_norm``, or its ``effective`` value)."""
         return float(self.max_norm.effective) if isinstance(self.max_norm, PerGroup) else float(self.max_norm)
 
+    def map(self, fn: Callable[[Any], Any], *, lipschitz: float) -> ClippedPytree:
+        """Applies ``fn`` to every tensor leaf; ``max_norm`` becomes ``lipschitz * max_norm``.
+
+        Args:
+            fn: a function of one tensor leaf (applied to all of them).
+            lipschitz: ``L`` > 0 such that the leafwise map ``F`` satisfies
+                ``||F(x) - F(y)|| <= L * ||x - y||`` (L2 over the whole tree) for all
+                ``x, y``: e.g. ``L = |a|`` for ``x -> a * x + b``, ``L = 1`` for a clamp
+                or a ReLU.
+
+        Returns:
+            A ``ClippedPytree`` (a :class:`NoisedPytree` for one) holding ``fn``'s output.
+
+        Privacy: the caller declares that ``fn`` changes distances by at most
+        ``lipschitz``; then the output's sensitivity is at most ``lipschitz * max_norm``
+        (the map is applied to both neighbouring values). Without that declaration a
+        map (:func:`opake_fx.pytree.tree_map`) returns a plain pytree, which noise
+        stages refuse. A wrong declaration is the caller's privacy bug.
+
+        Raises:
+            InputValueError: ``lipschitz`` is not a finite real number > 0.
+
+        Example:
+            >>> import torch
+            >>> g = ClippedPytree({"w": torch.tensor([-1.0, 2.0])}, max_norm=0.5)
+            >>> out = g.map(lambda x: 3 * x.clamp(min=0), lipschitz=3.0)
+            >>> out.max_norm, out.pytree["w"].tolist()
+            (1.5, [0.0, 6.0])
+        """
+        factor = _lipschitz(lipschitz, type(self).__name__)
+        return self._mapped(fn, factor)
+
+    def _mapped(self, fn: Callable[[Any], Any], factor: float) -> ClippedPytree:
+        return replace(self, pytree=tree_map(fn, self.pytree), max_norm=factor * self.max_norm)
+
     def _scaled(self, factor: float) -> ClippedPytree:
+        if factor == 0.0:
+            raise InputValueError(
+                f"{type(self).__name__} * 0 would claim sensitivity 0 (a value that depends on no example), so a "
+                "noise stage would add no noise. Scale by a non-zero public scalar, or drop the wrapper "
+                "(`.pytree`) if the value is not released."
+            )
         return replace(
             self,
             pytree=tree_map(lambda leaf: leaf * factor, self.pytree),
@@ -210,6 +290,30 @@ class NoisedPytree(ClippedPytree):
 
     noise_stddev: Any = None
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "noise_stddev", _check_noise_stddev(self.noise_stddev))
+
+    def map(self, fn: Callable[[Any], Any], *, lipschitz: float) -> NoisedPytree:
+        """As :meth:`ClippedPytree.map`; ``noise_stddev`` becomes ``None`` (no longer known).
+
+        After a general map the noise is no longer Gaussian with a known stddev (a
+        clamp shrinks it, a nonlinear map reshapes it), so ``noise_stddev`` is dropped;
+        use ``*`` or ``/`` by a public scalar to keep an exact ``noise_stddev``.
+
+        Privacy: everything computed from a ``NoisedPytree`` is post-processing of the
+        Gaussian mechanism; ``max_norm`` scales by ``lipschitz`` as for a ``ClippedPytree``.
+
+        Example:
+            >>> import torch
+            >>> n = NoisedPytree((torch.ones(2),), max_norm=0.5, noise_stddev=1.0)
+            >>> m = n.map(torch.tanh, lipschitz=1.0)
+            >>> m.max_norm, m.noise_stddev
+            (0.5, None)
+        """
+        factor = _lipschitz(lipschitz, type(self).__name__)
+        return replace(self._mapped(fn, factor), noise_stddev=None)
+
     def _scaled(self, factor: float) -> NoisedPytree:
         out = super()._scaled(factor)
         stddev = None if self.noise_stddev is None else abs(factor) * self.noise_stddev
@@ -223,6 +327,9 @@ class SecondMomentClippingOutput:
     grads: ClippedPytree
     squared_grads: ClippedPytree
 
+    def __post_init__(self) -> None:
+        _check_pair(self, ("grads", "squared_grads"), ClippedPytree)
+
     def clone(self) -> SecondMomentClippingOutput:
         return SecondMomentClippingOutput(self.grads.clone(), self.squared_grads.clone())
 
@@ -233,6 +340,9 @@ class SecondMomentNoiseOutput:
 
     noisy_grads: NoisedPytree
     noisy_squared_grads: NoisedPytree
+
+    def __post_init__(self) -> None:
+        _check_pair(self, ("noisy_grads", "noisy_squared_grads"), NoisedPytree)
 
     def clone(self) -> SecondMomentNoiseOutput:
         return SecondMomentNoiseOutput(self.noisy_grads.clone(), self.noisy_squared_grads.clone())
@@ -247,14 +357,91 @@ def _public_scalar(x: Any, op: str) -> float:
     return float(x)
 
 
+def _check_max_norm(max_norm: Any, owner: str) -> Any:
+    if isinstance(max_norm, PerGroup):
+        if not max_norm.effective > 0:
+            raise InputValueError(
+                f"{owner} max_norm is a PerGroup whose values are all 0 (sensitivity 0): a noise stage would add "
+                "no noise. Give each group its clip norm divided by the batch normalisation (> 0)."
+            )
+        return max_norm
+    if isinstance(max_norm, torch.Tensor):
+        raise InputTypeError(
+            f"{owner} max_norm must be a Python number or a PerGroup; got a tensor of shape {tuple(max_norm.shape)}. "
+            "The sensitivity must be a public constant (a tensor may depend on private data): pass float(value) "
+            "if it is public."
+        )
+    if isinstance(max_norm, bool) or not isinstance(max_norm, Real):
+        raise InputTypeError(
+            f"{owner} max_norm must be a real number (C / normalize_by) or a PerGroup; got {type(max_norm).__name__} "
+            f"{max_norm!r}."
+        )
+    value = float(max_norm)
+    if math.isnan(value) or value < 0:
+        raise InputValueError(
+            f"{owner} max_norm must be > 0 (the L2 sensitivity C / normalize_by, or inf for an unclipped value); "
+            f"got {value}. A {'NaN' if math.isnan(value) else 'negative'} bound is meaningless: pass the clip norm "
+            "divided by the batch normalisation."
+        )
+    if value == 0.0:
+        raise InputValueError(
+            f"{owner} max_norm=0 would state that the value depends on no example, so a noise stage would add no "
+            "noise at all. It comes from a mistake (a hand-wrapped gradient, a scale by 0, normalize_by=inf): pass "
+            "C / normalize_by > 0. A value that really depends on no example needs no DP wrapper."
+        )
+    return value
+
+
+def _check_noise_stddev(stddev: Any) -> Any:
+    if stddev is None or isinstance(stddev, PerGroup):
+        return stddev  # PerGroup validates its values (real, >= 0, not NaN) itself
+    if isinstance(stddev, bool) or isinstance(stddev, torch.Tensor) or not isinstance(stddev, Real):
+        raise InputTypeError(
+            f"NoisedPytree noise_stddev must be a real number, a PerGroup or None (unknown); got "
+            f"{type(stddev).__name__}. It is a public parameter of the mechanism: pass float(value)."
+        )
+    value = float(stddev)
+    if not math.isfinite(value) or value < 0:
+        raise InputValueError(
+            f"NoisedPytree noise_stddev must be finite and >= 0 (0: a noise_multiplier=0 baseline); got {value}."
+        )
+    return value
+
+
+def _lipschitz(lipschitz: Any, owner: str) -> float:
+    if isinstance(lipschitz, bool) or not isinstance(lipschitz, Real) or not (0 < float(lipschitz) < math.inf):
+        raise InputValueError(
+            f"{owner}.map needs lipschitz, a finite real number > 0 bounding how much fn can stretch distances "
+            f"(|a| for x -> a * x + b, 1 for a clamp); got {lipschitz!r}. Without a bound, map `.pytree` yourself: "
+            "the result is then a plain pytree, which noise stages refuse."
+        )
+    return float(lipschitz)
+
+
+def _check_pair(obj: Any, names: tuple[str, str], cls: type) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, cls):
+            raise InputTypeError(
+                f"{type(obj).__name__}.{name} must be a {cls.__name__}; got {type(value).__name__}. "
+                "Both streams carry their own sensitivity."
+            )
+
+
 def _register(cls: type, children: tuple[str, ...]) -> None:
     meta_names = tuple(f.name for f in fields(cls) if f.name not in children)
 
     def flatten(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]]:
+        # The metadata stays in the tree structure (wrappers with different max_norm have
+        # different structures), but it is not given back on a rebuild.
         return tuple(getattr(obj, n) for n in children), tuple(getattr(obj, n) for n in meta_names), children
 
     def unflatten(meta: tuple[Any, ...], kids: Any) -> Any:
-        return cls(**dict(zip(children, kids)), **dict(zip(meta_names, meta)))
+        # A rebuild from leaves is a generic map that may have changed the values: the
+        # guarantee is dropped (see the module docstring). Wrappers give their plain
+        # pytree; the second-moment pairs give a plain tuple of their (plain) streams.
+        kids = tuple(kids)
+        return kids[0] if len(kids) == 1 else kids
 
     optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
 
