@@ -3,10 +3,41 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
-from opake_fx.errors import InputValueError, NoiseInputError
+import torch
+
+from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError
+from opake_fx.random import RngKey
 from opake_fx.types import ClippedPytree, NoisedPytree
+
+MAX_STEPS = 2**64
+"""Step counters stay below this: ``fold_in(key, step)`` gives a distinct key for every step in ``[0, 2**64)``."""
+
+
+def check_noise_state(key: Any, step: Any, owner: str) -> int:
+    """Validates a noise state's key and step counter; returns the step as an ``int``.
+
+    The step selects the noise key ``fold_in(key, step)``: a negative step, or one past
+    ``2**64``, would alias another step's key and repeat its noise.
+    """
+    if not isinstance(key, RngKey):
+        raise InputTypeError(
+            f"{owner}.key must be an RngKey (opake_fx.random.key(seed)); got {type(key).__name__}. Use the same key "
+            "on every rank."
+        )
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not (step.is_floating_point() or step.dtype == torch.bool):
+        step = int(step)
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise InputTypeError(f"{owner}.step must be an int (the number of steps noised so far); got {type(step).__name__}.")
+    step = int(step)
+    if not 0 <= step < MAX_STEPS:
+        raise InputValueError(
+            f"{owner}.step must be in [0, 2**64); got {step}. Step t draws its noise from fold_in(key, t): a negative "
+            "step would reuse another step's noise. Resume from the state the noise stage returned."
+        )
+    return step
 
 
 def check_noise_multiplier(nm: Any, *, calibrate_with: str = "opake_fx.accounting.calibrate") -> None:

@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Any
@@ -161,21 +162,48 @@ def split(k: KeyLike, num: int = 2) -> Any:
 def fold_in(k: KeyLike, data: int | torch.Tensor) -> Any:
     """Derives a key from ``k`` and an integer (a step, a rank), as ``jax.random.fold_in``.
 
-    ``data`` is taken modulo ``2**32``.
+    The key is the Threefry hash of the 64-bit counter ``(data >> 32, data & 0xFFFFFFFF)``
+    under ``k``: for ``data < 2**32`` that is exactly ``jax.random.fold_in`` (and
+    ``split(k, n)[data]``); larger ``data`` (up to ``2**64 - 1``) fold their high word
+    into the counter instead of wrapping. Threefry is a permutation of the counter for a
+    fixed key, so distinct ``data`` always give distinct keys: step ``2**32`` never
+    reuses step 0's key.
+
+    Args:
+        k: the key (an ``RngKey``, or a key tensor ``[..., 2]``).
+        data: an int in ``[0, 2**64)``; a tensor of ints is read as 64-bit two's
+            complement (so distinct int64 values still give distinct keys).
+
+    Raises:
+        InputTypeError: ``data`` is not an integer.
+        InputValueError: ``data`` is negative or ``>= 2**64`` (it would alias another
+            value's key).
 
     Example:
         >>> fold_in(key(0), 7).words
         (2716826189, 292468403)
+        >>> fold_in(key(0), 2**32) != fold_in(key(0), 0)
+        True
     """
     if isinstance(k, RngKey):
         if isinstance(data, torch.Tensor):
+            if data.numel() != 1 or data.is_floating_point() or data.is_complex() or data.dtype == torch.bool:
+                raise InputTypeError(
+                    f"fold_in on an RngKey needs one integer; got a {data.dtype} tensor of shape {tuple(data.shape)}."
+                )
             data = int(data)
-        if isinstance(data, bool) or not isinstance(data, int):
+        if isinstance(data, bool) or not isinstance(data, numbers.Integral):
             raise InputTypeError(f"fold_in needs an int; got {type(data).__name__}.")
-        return RngKey(_threefry(*k.words, 0, data & _MASK))
+        data = int(data)
+        if not 0 <= data < 2**64:
+            raise InputValueError(
+                f"fold_in needs data in [0, 2**64); got {data}. A negative or larger value would alias another "
+                "value's key (a reused key repeats its noise); count steps and ranks from 0."
+            )
+        return RngKey(_threefry(*k.words, data >> 32, data & _MASK))
     kt = _check_key_tensor(k)
-    d = torch.as_tensor(data, dtype=torch.int64, device=kt.device) & _MASK
-    y0, y1 = _threefry(kt[..., 0], kt[..., 1], torch.zeros_like(d), d)
+    d = torch.as_tensor(data, dtype=torch.int64, device=kt.device)
+    y0, y1 = _threefry(kt[..., 0], kt[..., 1], (d >> 32) & _MASK, d & _MASK)
     return torch.stack((y0, y1), dim=-1)
 
 

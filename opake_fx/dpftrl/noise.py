@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from opake_fx._noise_input import check_clipped_input, check_noise_multiplier
+from opake_fx._noise_input import check_clipped_input, check_noise_multiplier, check_noise_state
 from opake_fx.dpftrl.strategies._base import Strategy
 from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError, OperationError
 from opake_fx.pytree import tree_flatten_with_paths
@@ -56,6 +56,10 @@ class MfNoiseState:
     step: int = 0
     buffers: tuple[torch.Tensor, ...] = ()
     max_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        # Step s draws z_s from fold_in(key, s); a negative step would alias another step's draw.
+        object.__setattr__(self, "step", check_noise_state(self.key, self.step, "MfNoiseState"))
 
     @property
     def memory_bytes(self) -> int:

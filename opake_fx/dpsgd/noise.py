@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from opake_fx._noise_input import check_clipped_input, check_noise_multiplier
+from opake_fx._noise_input import check_clipped_input, check_noise_multiplier, check_noise_state
 from opake_fx.typing import typechecked
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import tree_flatten_with_paths
@@ -34,10 +34,22 @@ class GaussianNoiseState:
     """State of :func:`gaussian_noise`: the key and the number of steps taken.
 
     Both must be identical on every rank (``opake_fx.distributed.sync`` checks it).
+    Step ``t`` draws from ``fold_in(key, t)``, a distinct key for every ``t`` in
+    ``[0, 2**64)``; a negative step is refused (it would alias another step's noise).
+
+    Example:
+        >>> from opake_fx.random import key
+        >>> GaussianNoiseState(key(0), step=-1)
+        Traceback (most recent call last):
+        ...
+        opake_fx.errors.InputValueError: GaussianNoiseState.step must be in [0, 2**64); got -1. Step t draws its noise from fold_in(key, t): a negative step would reuse another step's noise. Resume from the state the noise stage returned.
     """
 
     key: RngKey
     step: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "step", check_noise_state(self.key, self.step, "GaussianNoiseState"))
 
 
 @typechecked
