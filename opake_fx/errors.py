@@ -20,6 +20,7 @@ __all__ = [
     "CalibrationError",
     "BudgetExceededError",
     "DistributedMismatchError",
+    "CheckpointError",
     "SlowPathWarning",
 ]
 
@@ -54,6 +55,14 @@ class BudgetExceededError(OpakeError, RuntimeError):
 
 class DistributedMismatchError(OpakeError, RuntimeError):
     """Ranks disagree on a value that must be identical everywhere (noise key, step, max_norm)."""
+
+
+class CheckpointError(OpakeError, ValueError):
+    """A checkpoint does not fit its template, or its file is truncated, altered or not a checkpoint.
+
+    The message names the entry (its path, e.g. ``"state/opt/mu/w"``) or the file, and
+    what to do. Nothing is restored when it is raised.
+    """
 
 
 class SlowPathWarning(UserWarning):

@@ -1,0 +1,28 @@
+"""Checkpoints of explicit state that resume a run exactly.
+
+Every state in opake_fx is a value — keys, clip, noise and optimizer states, chains of
+them (tuples, dicts, ``NamedTuple`` s), samplers, schedules, an ``Accountant`` — so a
+whole run checkpoints in one call and resumes bit for bit::
+
+    save_checkpoint(path, params=params, state=state, sampler=sampler, accountant=acct)
+    ...
+    ckpt = load_checkpoint(path, params=params0, state=pipeline.init(params0),
+                           sampler=sampler0, accountant=acct0)
+    params, state = ckpt["params"], ckpt["state"]
+
+* :func:`state_dict` / :func:`from_state_dict`: a state as a flat ``{path: leaf}`` dict,
+  rebuilt from a *template* that decides every class, dtype and device.
+* :func:`register_serializer`: the same for types of your own.
+* :func:`save_checkpoint` / :func:`load_checkpoint`: atomic, checksummed files.
+
+Loading never imports or calls anything named in a file (``torch.load(weights_only=True)``
+reads it). See ``docs/checkpoints.md``.
+
+Privacy: a checkpoint holds the noise keys and steps; restoring them continues the noise
+sequence (no noise is reused), and restoring the ``Accountant`` keeps what was spent.
+"""
+
+from opake_fx.serialization.files import load_checkpoint, save_checkpoint
+from opake_fx.serialization.tree import from_state_dict, register_serializer, state_dict
+
+__all__ = ["state_dict", "from_state_dict", "register_serializer", "save_checkpoint", "load_checkpoint"]
