@@ -24,7 +24,8 @@ from opake_fx.optimizers import adam, sgd
 from opake_fx.random import fold_in, key
 from opake_fx.serialization import from_state_dict, load_checkpoint, register_serializer, save_checkpoint, state_dict
 from opake_fx.transforms import apply_updates, chain, named_chain
-from opake_fx.types import ClippedPytree, PerGroup
+from opake_fx.testing import assert_trees_equal
+from opake_fx.types import ClippedPytree
 
 BUDGET = acc.epsilon_budget(8.0, delta=1e-5)
 STEP = dpsgd_acc.poisson(dpsgd_acc.gaussian(1.0), 0.05)
@@ -50,13 +51,7 @@ def _roundtrip(template, obj):
 
 
 def _entries_equal(a, b):
-    fa, fb = state_dict(a), state_dict(b)
-    assert sorted(fa) == sorted(fb)
-    for k in fa:
-        if isinstance(fa[k], torch.Tensor):
-            assert fa[k].dtype == fb[k].dtype and torch.equal(fa[k], fb[k]), k
-        else:
-            assert fa[k] == fb[k] or (fa[k] != fa[k] and fb[k] != fb[k]), k
+    assert_trees_equal(state_dict(a), state_dict(b))
 
 
 class OptaxLikeState(NamedTuple):
@@ -95,7 +90,7 @@ def test_pipeline_resumes_bit_identically_from_the_init_template(adaptive, mf):
         ua, s_a = pipeline.update((x,), s_a, p_a)
         ub, s_b = pipeline.update((x,), s_b, p_b)
         p_a, p_b = apply_updates(p_a, ua), apply_updates(p_b, ub)
-    assert all(torch.equal(p_a[k], p_b[k]) for k in p_a)
+    assert_trees_equal(p_b, p_a)
 
 
 def _every_state(advanced=True):
