@@ -21,7 +21,7 @@ from opake_fx.accounting.budgets import (
     delta_budget,
     epsilon_budget,
 )
-from opake_fx.accounting.calibrate import CalibrateResult, calibrate
+from opake_fx.accounting.calibrate import PARAMETER_RANGES, CalibrateResult, calibrate
 from opake_fx.accounting.mechanisms import (
     AdaptiveClippingGaussian,
     EpsDelta,
@@ -65,6 +65,7 @@ __all__ = [
     "DeltaBudget",
     "calibrate",
     "CalibrateResult",
+    "PARAMETER_RANGES",
     "Accountant",
     "PrivacyLossDistribution",
     "clear_caches",
