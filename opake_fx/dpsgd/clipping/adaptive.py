@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from numbers import Real
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -12,6 +13,7 @@ from torch import nn
 from opake_fx.dpsgd.clipping._engine import check_clipping_norm, clipped_step, make_config, package
 from opake_fx.dpsgd.clipping._ghost import ClipBackend, make_backend
 from opake_fx.dpsgd.clipping.fixed import clip_weights
+from opake_fx.dpsgd.clipping.types import check_state
 from opake_fx.functional import FunctionalModel
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.random import RngKey, fold_in, normal
@@ -115,10 +117,13 @@ def adaptive_clipped_grad(
         raise InputValueError("adaptive clipping needs a finite initial_clipping_norm.")
     if not isinstance(key, RngKey):
         raise InputTypeError(f"key must be an RngKey (opake_fx.random.key(seed)); got {type(key).__name__}.")
+    target_quantile = _real(target_quantile, "target_quantile", "a fraction, e.g. 0.5 for the median norm")
     if not 0.0 < target_quantile < 1.0:
         raise InputValueError(f"target_quantile must be in (0, 1); got {target_quantile}.")
+    learning_rate = _real(learning_rate, "learning_rate", "the step of the geometric update, e.g. 0.2")
     if not (learning_rate > 0 and math.isfinite(learning_rate)):
-        raise InputValueError(f"learning_rate must be finite and > 0; got {learning_rate}.")
+        raise InputValueError(f"learning_rate must be finite and > 0; got {learning_rate} (Andrew et al. use 0.2).")
+    count_noise_multiplier = _real(count_noise_multiplier, "count_noise_multiplier", "about batch_size / 20")
     if not (count_noise_multiplier >= 0 and math.isfinite(count_noise_multiplier)):
         raise InputValueError(
             f"count_noise_multiplier must be finite and >= 0; got {count_noise_multiplier}. "
@@ -135,11 +140,20 @@ def adaptive_clipped_grad(
         return_stats=return_stats,
     )
     backend = make_backend(clip_backend, model)
-    m = float(expected_batch_size if expected_batch_size is not None else normalize_by)
-    if not m > 0:
-        raise InputValueError(f"expected_batch_size must be > 0; got {m}.")
+    m = _real(
+        expected_batch_size if expected_batch_size is not None else normalize_by,
+        "expected_batch_size",
+        "the sample rate times the dataset size",
+    )
+    if not (m > 0 and math.isfinite(m)):
+        raise InputValueError(
+            f"expected_batch_size must be finite and > 0; got {m}. The noised count is divided by it to estimate "
+            "the fraction of unclipped examples (an infinite one would freeze that estimate at 1/2): pass the "
+            "sample rate times the dataset size."
+        )
 
-    def grad_fn(*args: Any, state: AdaptiveClipState, **kwargs: Any) -> Any:
+    def grad_fn(*args: Any, state: AdaptiveClipState | None = None, **kwargs: Any) -> Any:
+        check_state(state, AdaptiveClipState, "adaptive_clipped_grad")
         c = state.clipping_norm
         result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=c, weight_fn=clip_weights, backend=backend)
         below = ((result.norms[0] <= c) & result.finite).sum().item()
@@ -159,3 +173,14 @@ def adaptive_clipped_grad(
         expected_batch_size=m,
     )
     return grad_fn, state
+
+
+def _real(value: Any, name: str, hint: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise InputTypeError(
+            f"adaptive_clipped_grad: {name} must be a real number ({hint}); got {type(value).__name__} {value!r}."
+        )
+    value = float(value)
+    if math.isnan(value):
+        raise InputValueError(f"adaptive_clipped_grad: {name} is NaN; pass {hint}.")
+    return value

@@ -11,7 +11,7 @@ from torch import nn
 
 from opake_fx.dpsgd.clipping._engine import check_clipping_norm, clipped_step, make_config, package
 from opake_fx.dpsgd.clipping._ghost import ClipBackend, make_backend
-from opake_fx.dpsgd.clipping.types import FixedClipState
+from opake_fx.dpsgd.clipping.types import FixedClipState, check_state
 from opake_fx.functional import FunctionalModel
 from opake_fx.errors import InputValueError
 
@@ -81,7 +81,8 @@ def auto_clipped_grad(
         # A zero gradient (with gamma = 0) contributes zero whatever its weight.
         return torch.where(denom > 0, w, torch.zeros_like(w))
 
-    def grad_fn(*args: Any, state: FixedClipState, **kwargs: Any) -> Any:
+    def grad_fn(*args: Any, state: FixedClipState | None = None, **kwargs: Any) -> Any:
+        check_state(state, FixedClipState, "auto_clipped_grad")
         result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=clipping_norm, weight_fn=weights, backend=backend)
         return package(result, cfg, clipping_norm, replace(state, step=state.step + 1))
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from opake_fx.dpsgd.clipping._engine import check_clipping_norm, clipped_step, make_config, package
 from opake_fx.dpsgd.clipping._ghost import ClipBackend, make_backend
-from opake_fx.dpsgd.clipping.types import FixedClipState
+from opake_fx.dpsgd.clipping.types import FixedClipState, check_state
 from opake_fx.functional import FunctionalModel
 from opake_fx.types import PerGroup
 
@@ -107,7 +107,8 @@ def clipped_grad(
     )
     backend = make_backend(clip_backend, model)
 
-    def grad_fn(*args: Any, state: FixedClipState, **kwargs: Any) -> Any:
+    def grad_fn(*args: Any, state: FixedClipState | None = None, **kwargs: Any) -> Any:
+        check_state(state, FixedClipState, "clipped_grad")
         result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=clipping_norm, weight_fn=clip_weights, backend=backend)
         return package(result, cfg, clipping_norm, replace(state, step=state.step + 1))
 

@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
+from opake_fx.errors import InputTypeError
 from opake_fx.types import PerGroup
 
-__all__ = ["FixedClipState", "ClippingStats", "ClippedGradAux"]
+__all__ = ["FixedClipState", "ClippingStats", "ClippedGradAux", "check_state"]
 
 
 @dataclass(frozen=True)
@@ -72,3 +73,20 @@ class ClippedGradAux:
     batch_size: int = 0
     group_norms: dict[str, torch.Tensor] | None = None
     num_nonfinite: int = 0
+
+
+def check_state(state: Any, cls: type, maker: str) -> None:
+    """Raises a clear error unless ``state`` is the ``cls`` that ``maker`` (or the last call) returned.
+
+    Example:
+        >>> check_state(None, FixedClipState, "clipped_grad")
+        Traceback (most recent call last):
+        ...
+        opake_fx.errors.InputTypeError: grad_fn needs state=, the FixedClipState returned by clipped_grad (or by the previous grad_fn call); got None. Call grad_fn(*args, state=state) and keep the state it returns.
+    """
+    if not isinstance(state, cls):
+        got = "None" if state is None else type(state).__name__
+        raise InputTypeError(
+            f"grad_fn needs state=, the {cls.__name__} returned by {maker} (or by the previous grad_fn call); "
+            f"got {got}. Call grad_fn(*args, state=state) and keep the state it returns."
+        )
