@@ -266,6 +266,13 @@ def t5_loss(fmodel: Any, p: Any, ids: torch.Tensor, mask: torch.Tensor, labels: 
     return masked_mean(F.cross_entropy(logits.transpose(1, 2), labels, reduction="none"), dec_mask)
 
 
+def gpt2_default_positions_loss(fmodel: Any, p: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # GPT-2 looks positions up with a [1, T] tensor by default: the position table does not
+    # see the batch axis (docs/clipping.md: an exact slow path that says so).
+    logits = fmodel(p, input_ids=ids, attention_mask=mask).logits
+    return causal_lm_losses(logits, ids, mask)
+
+
 def t5_unpadded_batch(b: int, gen: torch.Generator) -> Batch:
     return (torch.randint(2, VOCAB, (b, T5_ENC), generator=gen), torch.randint(2, VOCAB, (b, T5_DEC), generator=gen))
 
@@ -344,13 +351,20 @@ RNN_IN, RNN_HIDDEN = 4, 8
 
 
 class Recurrent(nn.Module):
-    def __init__(self, kind: type, layers: int = 1) -> None:
+    """A batch-first RNN and a head on its last output (``from_state``: on the last layer's
+    final hidden state ``h_n[-1]``, whose batch axis is the second)."""
+
+    def __init__(self, kind: type, layers: int = 1, from_state: bool = False) -> None:
         super().__init__()
         self.rnn = kind(RNN_IN, RNN_HIDDEN, num_layers=layers, batch_first=True)
         self.head = nn.Linear(RNN_HIDDEN, 2)
+        self.from_state = from_state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, _ = self.rnn(x)
+        out, state = self.rnn(x)
+        if self.from_state:
+            h = state[0] if isinstance(state, tuple) else state
+            return self.head(h[-1])
         return self.head(out[:, -1])
 
 
@@ -471,6 +485,8 @@ CASES: list[Case] = [
     _hf("qwen2", qwen2, text_batch, lm_loss, TEXT_SIZES),
     _hf("gpt_neox", gpt_neox, text_batch, lm_loss, TEXT_SIZES),
     _hf("gpt2_tied", gpt2, text_batch, gpt2_loss, TEXT_SIZES),
+    _hf("gpt2_default_positions", gpt2, text_batch, gpt2_default_positions_loss, {"odd": 5, "B=T": SEQ},
+        {"ghost": "slow", "auto": "slow"}),
     _hf("bert_cls", bert_cls, cls_batch, bert_cls_loss, {**TEXT_SIZES, "B=labels": 3}),
     _hf("bert_mlm", bert_mlm, mlm_batch, bert_mlm_loss, TEXT_SIZES),
     _hf("roberta_mlm", roberta_mlm, lambda b, g: mlm_batch(b, g, pad=1, low=4), roberta_mlm_loss, TEXT_SIZES),
@@ -481,7 +497,8 @@ CASES: list[Case] = [
         {"ghost": "any", "auto": "any"}),
     # Without padding masks (no vmap trouble from transformers' mask code): isolates the
     # relative-attention bias, whose [T, T] lookup is taken for batched when B == T.
-    _hf("t5_unpadded", t5, t5_unpadded_batch, t5_unpadded_loss, {"odd": 3, "B=T_enc": T5_ENC, "B=T_dec": T5_DEC},
+    _hf("t5_unpadded", t5, t5_unpadded_batch, t5_unpadded_loss,
+        {"odd": 3, "B=T_enc": T5_ENC, "B=T_dec": T5_DEC, "B=buckets": T5_BUCKETS},
         {"vmap": "fast", "ghost": "any", "auto": "any"}),
     # No attention mask: the default vmap backend must run it as it is.
     _hf("vit", vit, vit_batch, vit_loss, {"odd": 3, "B=T": 5, "B=heads": HEADS}, {"vmap": "fast"}),
@@ -496,6 +513,8 @@ CASES: list[Case] = [
          {"vmap": "any", "ghost": "any", "auto": "any"}),
     Case("lstm_2layer", lambda: Recurrent(nn.LSTM, layers=2), seq_batch, mse_loss, {"odd": 5, "B=T": SEQ, "B=layers": 2},
          {"vmap": "any", "ghost": "any", "auto": "any"}),
+    Case("lstm_2layer_h_n", lambda: Recurrent(nn.LSTM, layers=2, from_state=True), seq_batch, mse_loss,
+         {"odd": 5, "B=T": SEQ, "B=layers": 2}, {"vmap": "any", "ghost": "any", "auto": "any"}),
     Case("shared_linear", SharedLinear, shared_batch, mse_loss, {"odd": 5, "B=d": 4, "B=T": 3}, FAST),
     Case("grouped_dilated_conv", Convs, image_batch(4, 6, 3), ce_loss,
          {"odd": 5, "B=C_in": 4, "B=H=W": 6, "B=groups": 2}, FAST),
@@ -543,23 +562,37 @@ def prepare(case: Case, b: int, model: nn.Module | None = None, seed: int = 0) -
     return Prepared(fmodel, tuple(params[i] for i in chosen), [fmodel.param_names[i] for i in chosen], batched, batch)
 
 
-def reference(batched: Callable[..., torch.Tensor], train: tuple[torch.Tensor, ...], batch: Batch,
-              c: float) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Clipped sum and per-example norms: each example run alone (batch size 1), float64."""
-    sums = [torch.zeros_like(p) for p in train]
-    norms = []
+def per_example_grads(batched: Callable[..., torch.Tensor], train: tuple[torch.Tensor, ...],
+                      batch: Batch) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+    """Each example run alone (batch size 1), one ``torch.autograd.grad`` per example:
+    its gradient (a list aligned with ``train``) and its norm, float64."""
+    grads_of, norms = [], []
     for i in range(batch[0].shape[0]):
         ps = [p.detach().requires_grad_(True) for p in train]
         loss = batched(ps, *(x[i : i + 1] for x in batch))
         assert loss.shape == (1,), loss.shape
         grads = torch.autograd.grad(loss[0], ps, allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(train, grads)]
-        n = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+        grads_of.append(grads)
+        norms.append(float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))))
+    return grads_of, torch.tensor(norms, dtype=torch.float64)
+
+
+def clipped_sum(grads_of: list[list[torch.Tensor]], norms: torch.Tensor, c: float) -> list[torch.Tensor]:
+    """``sum_i min(1, c / ||g_i||) g_i``."""
+    sums = [torch.zeros_like(g) for g in grads_of[0]]
+    for grads, n in zip(grads_of, norms.tolist()):
         w = 1.0 if n <= c else c / n
         for s, g in zip(sums, grads):
             s += w * g
-        norms.append(float(n))
-    return sums, torch.tensor(norms, dtype=torch.float64)
+    return sums
+
+
+def reference(batched: Callable[..., torch.Tensor], train: tuple[torch.Tensor, ...], batch: Batch,
+              c: float) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Clipped sum and per-example norms from the per-example loop."""
+    grads_of, norms = per_example_grads(batched, train, batch)
+    return clipped_sum(grads_of, norms, c), norms
 
 
 def clip_norm_between(norms: torch.Tensor) -> float:

@@ -21,6 +21,8 @@ cause; a fix flips them to XPASS, which fails the run until the marker is remove
 from __future__ import annotations
 
 import functools
+import traceback
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,8 +34,8 @@ from opake_fx.functional import make_functional
 from tests.integrations import _zoo as Z
 
 BACKENDS = ("vmap", "ghost", "auto")
-HF_MASKED = ("llama", "qwen2", "gpt_neox", "gpt2_tied", "bert_cls", "bert_mlm", "roberta_mlm", "t5", "llama_lora")
-RNNS = ("lstm", "gru", "lstm_2layer")
+HF_MASKED = ("llama", "qwen2", "gpt_neox", "gpt2_tied", "gpt2_default_positions", "bert_cls", "bert_mlm", "roberta_mlm", "t5", "llama_lora")
+RNNS = ("lstm", "gru", "lstm_2layer", "lstm_2layer_h_n")
 
 # --- what fails today, and why -----------------------------------------------------------------
 # (case, size label or "*", backend or "*") -> reason. The first match wins.
@@ -68,6 +70,10 @@ T5_B_EQ_T = (
     "T5 relative_attention_bias looked up with [T, T] buckets; T == B passes _ghost._batched by size, so the "
     "nn.Embedding rule takes positions for examples: silently wrong norms and sum, no warning"
 )
+WHOLE_LOSS_HF_MASK = (
+    "GPT-2's wpe is looked up with [1, T] positions -> whole-loss fallback (SlowPathWarning, as documented), "
+    "which is vmap of the loss -> raw HF mask .all() error; _ghost._whole_loss_per_example has no loop fallback"
+)
 BAG_OFFSETS_VMAP = "vmap backend: boolean-mask indexing in the model (data-dependent shape) -> raw functorch error, no fallback"
 BAG_OFFSETS_FAST = (
     "EmbeddingBag offsets [B] pass _ghost._batched by size -> module fallback vmaps over offsets "
@@ -84,6 +90,7 @@ XFAIL: list[tuple[str, str, str, str, Any]] = [
     ("embedding_bag_offsets", "*", "vmap", BAG_OFFSETS_VMAP, RAW),
     *[(name, "*", "*", TIED_BIAS, SLOW) for name in ("bert_mlm", "roberta_mlm")],
     ("t5", "*", "*", T5_MASK, RAW),
+    ("gpt2_default_positions", "*", "*", WHOLE_LOSS_HF_MASK, RAW),
     *[("t5_unpadded", label, backend, T5_B_EQ_T, WRONG) for label in ("B=T_enc", "B=T_dec") for backend in ("ghost", "auto")],
     *[(name, "B=layers", "*", FAST_RNN_LAYERS, RAW) for name in RNNS],
     *[(name, "*", "*", FAST_RNN, RAW) for name in RNNS],
@@ -148,19 +155,34 @@ def _oracle(name: str, label: str) -> tuple[Z.Prepared, float, list[torch.Tensor
     """The prepared case, a clipping norm between the examples' norms, and the reference."""
     case = Z.BY_NAME[name]
     prep = Z.prepare(case, case.sizes[label], _model(name))
-    _, unclipped = Z.reference(prep.batched, prep.train, prep.batch, float("inf"))
-    c = Z.clip_norm_between(unclipped)
-    want, norms = Z.reference(prep.batched, prep.train, prep.batch, c)
-    torch.testing.assert_close(norms, unclipped, rtol=0, atol=0)
-    return prep, c, want, norms
+    grads_of, norms = Z.per_example_grads(prep.batched, prep.train, prep.batch)
+    c = Z.clip_norm_between(norms)
+    return prep, c, Z.clipped_sum(grads_of, norms, c), norms
+
+
+def _run(request: pytest.FixtureRequest, backend: str, prep: Z.Prepared, c: float, error_on_slow: bool) -> Z.Run:
+    """``Z.run_backend``; for a test marked xfail, its exception is re-raised (same object,
+    same type) without the deep transformers/functorch traceback, the innermost frames named
+    in a note: pytest spends ~0.5 s parsing sources for each such traceback, most of this
+    file's run time. Tests without the marker (remove it to debug) keep their full traceback."""
+    if request.node.get_closest_marker("xfail") is None:
+        return Z.run_backend(backend, prep, c, error_on_slow=error_on_slow)
+    try:
+        return Z.run_backend(backend, prep, c, error_on_slow=error_on_slow)
+    except Exception as e:
+        frames = traceback.extract_tb(e.__traceback__)[-4:][::-1]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in frames)
+        e.add_note(f"(traceback shortened for an xfail test; innermost frames: {where})")
+        e.__cause__, e.__suppress_context__ = None, True
+        raise e.with_traceback(None)  # noqa: B904
 
 
 @pytest.mark.parametrize("name,label,backend", ZOO)
-def test_zoo(name: str, label: str, backend: str) -> None:
+def test_zoo(name: str, label: str, backend: str, request: pytest.FixtureRequest) -> None:
     case = Z.BY_NAME[name]
     prep, c, want, norms = _oracle(name, label)
     expect = case.expect[backend]
-    run = Z.run_backend(backend, prep, c, error_on_slow=expect == "fast")
+    run = _run(request, backend, prep, c, error_on_slow=expect == "fast")
     Z.compare(prep, run, want, norms)
     assert run.out.max_norm == c
     if expect == "slow":
@@ -170,13 +192,13 @@ def test_zoo(name: str, label: str, backend: str) -> None:
 
 
 @pytest.mark.parametrize("name,backend", FAST_CASES)
-def test_zoo_fast_path_runs_no_vmap(name: str, backend: str) -> None:
+def test_zoo_fast_path_runs_no_vmap(name: str, backend: str, request: pytest.FixtureRequest) -> None:
     """Models that must stay on layer rules: no SlowPathWarning and no ``torch.func.vmap`` at
     all (every exact fallback today is built on vmap; a silent one would pass the test above)."""
     case = Z.BY_NAME[name]
     label = next(iter(case.sizes))
     prep, c, want, norms = _oracle(name, label)
-    run = Z.run_backend(backend, prep, c, error_on_slow=True)
+    run = _run(request, backend, prep, c, error_on_slow=True)
     Z.compare(prep, run, want, norms)
     assert run.vmap_calls == 0, f"{backend}: {run.vmap_calls} vmap call(s): a module took a vmap fallback"
 
