@@ -32,6 +32,7 @@ from opake_fx.accounting.mechanisms import (
     TruncatedPoissonSampled,
     eps_delta,
 )
+from opake_fx.accounting.incremental import IncrementalPld
 from opake_fx.accounting.pld import DEFAULT_DISCRETIZATION, PrivacyLossDistribution, clear_caches
 from opake_fx.accounting.process import (
     ADD_OR_REMOVE_ONE,
@@ -68,6 +69,7 @@ __all__ = [
     "PARAMETER_RANGES",
     "Accountant",
     "PrivacyLossDistribution",
+    "IncrementalPld",
     "clear_caches",
     "DEFAULT_DISCRETIZATION",
     "DEFAULT_RDP_ORDERS",

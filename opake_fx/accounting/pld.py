@@ -41,15 +41,17 @@ from typing import Any
 
 import numpy as np
 from scipy import fft as sfft
-from scipy import signal
 
-from opake_fx.accounting import _curves
+from opake_fx.accounting import _curves, _pmf
+from opake_fx.accounting._pmf import GridTooLarge as _GridTooLarge
+from opake_fx.accounting._pmf import Pmf as _Pmf
 
 __all__ = [
     "DEFAULT_DISCRETIZATION",
     "PrivacyLossDistribution",
     "pld_of",
     "privacy_profile",
+    "pmfs_of",
     "clear_caches",
 ]
 
@@ -57,156 +59,13 @@ DEFAULT_DISCRETIZATION = 1e-4
 """Default spacing of the privacy-loss grid (as dp_accounting's PLD accountant)."""
 
 _TAIL_MASS = 1e-15  # composed mass allowed outside the FFT window (added to +inf)
-_TRIM_MASS = 1e-20  # single-step mass trimmed from each end (pessimistically)
-_MAX_GRID = 2**23  # largest window / single-step grid before coarsening
 _FULL_CONV_LIMIT = 2**18  # below this composed length, convolve the full support exactly
 _ROUNDING_BUDGET = 5e-12  # rounding-bound mass above which FFTs switch to long double
 _EXTENDED = np.finfo(np.longdouble).eps < np.finfo(np.float64).eps  # a real extended type?
+_FOURIER_PARTS = 8  # compositions of more distinct steps are grouped, then convolved in a tree
 
 
-class _GridTooLarge(Exception):
-    """Raised internally when a grid would exceed ``_MAX_GRID`` points."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__(size)
-        self.size = size
-
-
-# ----------------------------------------------------------------------- the pmf
-
-
-class _Pmf:
-    """A PLD of one pair on the grid ``(lo + i) * d`` plus a mass at +inf."""
-
-    def __init__(self, d: float, lo: int, probs: np.ndarray, inf: float) -> None:
-        self.d = float(d)
-        self.lo = int(lo)
-        self.probs = np.ascontiguousarray(probs, dtype=np.float64)
-        self.probs.setflags(write=False)
-        self.inf = float(min(1.0, max(0.0, inf)))
-        self._tails: tuple[np.ndarray, np.ndarray] | None = None
-
-    @property
-    def size(self) -> int:
-        return self.probs.size
-
-    def losses(self) -> np.ndarray:
-        return (self.lo + np.arange(self.size)) * self.d
-
-    def tails(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(S, D)``: ``S_i = sum_{j>i} p_j e^{l_i - l_j}`` and ``D_i = delta(l_i)``.
-
-        Both come from recursions with non-negative terms only (no cancellation):
-        ``S_i = e^-d (S_{i+1} + p_{i+1})`` and ``D_i = D_{i+1} + (e^d - 1) S_i``.
-        """
-        if self._tails is None:
-            ed = math.exp(-self.d)
-            s = signal.lfilter([0.0, ed], [1.0, -ed], self.probs[::-1])[::-1]
-            dd = self.inf + math.expm1(self.d) * np.cumsum(s[::-1])[::-1]
-            self._tails = (np.ascontiguousarray(s), np.ascontiguousarray(dd))
-        return self._tails
-
-    def log_mgf(self, lam: float) -> float:
-        """``log sum_j p_j e^{lam l_j}`` over the finite part.
-
-        The grid is uniform, so ``e^{lam l_j}`` factors into a block offset and an
-        in-block power: one matrix-vector product plus a short logsumexp instead of one
-        exponential per grid point (blocks are kept short enough not to overflow).
-        """
-        step = lam * self.d
-        block = 1 << int(max(0, min(6, math.log2(40.0 / abs(step))))) if step != 0 else 64
-        p = self.probs
-        rows = p.size // block
-        weights = np.exp(step * np.arange(block))
-        sums = p[: rows * block].reshape(rows, block) @ weights  # a view: no copy
-        offsets = step * block * np.arange(rows)
-        rest = p.size - rows * block
-        if rest:
-            sums = np.append(sums, p[rows * block :] @ weights[:rest])
-            offsets = np.append(offsets, step * block * rows)
-        with np.errstate(divide="ignore"):
-            terms = np.log(sums) + offsets
-        top = float(terms.max())
-        if not math.isfinite(top):
-            return top
-        return lam * self.lo * self.d + top + math.log(float(np.exp(terms - top).sum()))
-
-    def delta_at(self, eps: float) -> float:
-        if eps == math.inf:
-            return self.inf
-        s, dd = self.tails()
-        i = int(np.searchsorted(self.losses(), eps, side="left"))
-        if i >= self.size:
-            return self.inf
-        li = (self.lo + i) * self.d
-        value = dd[i] - (s[i] + self.probs[i]) * math.expm1(min(eps - li, 0.0))
-        return float(min(1.0, max(0.0, value)))
-
-    def epsilon_at(self, delta: float) -> float:
-        if self.inf > delta:
-            return math.inf
-        s, dd = self.tails()
-        i = int(np.searchsorted(-dd, -delta, side="left"))  # first grid point with D_i <= delta
-        i = min(i, self.size - 1)
-        li = (self.lo + i) * self.d
-        denom = s[i] + self.probs[i]
-        if denom <= 0:
-            eps = li if i > 0 else -math.inf
-        else:
-            eps = li + math.log1p(max(-1.0, (dd[i] - delta) / denom))
-        if i > 0:
-            eps = max(eps, (self.lo + i - 1) * self.d)  # delta(l_{i-1}) > delta: stay above it
-        return max(0.0, eps)
-
-    def beta_at(self, alpha: float) -> float:
-        """Trade-off ``sup_eps 1 - delta(eps) - e^eps alpha`` (attained at grid points)."""
-        _, dd = self.tails()
-        if alpha <= 0.0:
-            return 1.0 - self.inf
-        li = self.losses()
-        keep = li < math.log(1.0 / alpha) + 1.0
-        vals = 1.0 - dd[keep] - alpha * np.exp(li[keep])
-        best = float(vals.max()) if vals.size else 0.0
-        return max(0.0, min(1.0 - alpha, best))
-
-
-def _discretize(direction: _curves.Direction, d: float) -> _Pmf:
-    """Pessimistic connect-the-dots PMF of one hockey-stick curve on the grid ``i * d``."""
-    if not (math.isfinite(direction.lo) and math.isfinite(direction.hi)):
-        raise _GridTooLarge(_MAX_GRID + 1)
-    # the grid always contains 0: the curve is split as (1 - e^eps)_+ (a unit mass at
-    # loss 0, exactly) plus its small excess, so no tail mass is lost to cancellation
-    i_lo = min(0, math.floor(direction.lo / d))
-    i_hi = max(0, math.ceil(direction.hi / d))
-    n = i_hi - i_lo + 1
-    if n > _MAX_GRID:
-        raise _GridTooLarge(n)
-    h = np.clip(direction.excess(np.arange(i_lo, i_hi + 1) * d), 0.0, 1.0)
-    probs = np.zeros(n)
-    if n > 1:
-        diffs = np.diff(h)
-        em1 = math.expm1(d)
-        probs[0] = -h[0] + diffs[0] / em1
-        probs[1:-1] = (diffs[1:] - diffs[:-1] * math.exp(d)) / em1
-        probs[-1] = diffs[-1] / math.expm1(-d)
-    probs[-i_lo] += 1.0
-    np.maximum(probs, 0.0, out=probs)
-    return _trim(_Pmf(d, i_lo, probs, h[-1]), _TRIM_MASS)
-
-
-def _trim(pmf: _Pmf, budget: float) -> _Pmf:
-    """Drops end bins holding <= ``budget`` mass per side: low end rounded up, high end to +inf."""
-    p = pmf.probs
-    if p.size <= 2:
-        return pmf
-    left = int(np.searchsorted(np.cumsum(p), budget, side="right"))
-    right = int(np.searchsorted(np.cumsum(p[::-1]), budget, side="right"))
-    left, right = min(left, p.size - 1), min(right, p.size - 1 - left)
-    if left == 0 and right == 0:
-        return pmf
-    kept = p[left : p.size - right].copy()
-    kept[0] += float(p[:left].sum())
-    return _Pmf(pmf.d, pmf.lo + left, kept, pmf.inf + float(p[p.size - right :].sum()))
+# ------------------------------------------------------------------ composition
 
 
 def _compose(parts: Sequence[tuple[_Pmf, int]], tail: float = _TAIL_MASS) -> _Pmf:
@@ -226,7 +85,7 @@ def _compose(parts: Sequence[tuple[_Pmf, int]], tail: float = _TAIL_MASS) -> _Pm
         b = max(a, b)
     truncated = a > start or b < stop
     width = b - a + 1
-    if width > _MAX_GRID:
+    if width > _pmf.MAX_GRID:
         raise _GridTooLarge(width)
     n_fft = sfft.next_fast_len(max(width, max(p.size for p, _ in parts)), real=True)
     steps = sum(k for _, k in parts)
@@ -434,28 +293,54 @@ def pld_of(components: tuple[tuple[Any, int], ...], discretization: float) -> Pr
         try:
             return _composed(components, d)
         except _GridTooLarge as exc:
-            d *= max(2, math.ceil(exc.size / _MAX_GRID))
+            d *= max(2, math.ceil(exc.size / _pmf.MAX_GRID))
+
+
+def pmfs_of(components: tuple[tuple[Any, int], ...], discretization: float) -> tuple[_Pmf, _Pmf | None]:
+    """The composed ('remove', 'add') PMFs of :func:`pld_of` (``add`` None when symmetric).
+
+    For engines that keep composing (:class:`~opake_fx.accounting.IncrementalPld`).
+    """
+    out = pld_of(components, discretization)
+    return out._remove, out._add
 
 
 @functools.lru_cache(maxsize=128)
 def _single(leaf: Any, d: float) -> tuple[_Pmf, _Pmf | None]:
     directions = leaf._directions()
-    remove = _discretize(directions[0], d)
-    add = _discretize(directions[1], d) if len(directions) > 1 else None
+    remove = _pmf.discretize(directions[0], d)
+    add = _pmf.discretize(directions[1], d) if len(directions) > 1 else None
     return remove, add
 
 
 def _composed(components: tuple[tuple[Any, int], ...], d: float) -> PrivacyLossDistribution:
     if not components:
-        return PrivacyLossDistribution(_Pmf(d, 0, np.array([1.0]), 0.0))
+        return PrivacyLossDistribution(_pmf.unit(d))
     if any(math.isinf(leaf._gaussian_mu() or 0.0) for leaf, _ in components):
         return PrivacyLossDistribution(_Pmf(d, 0, np.array([0.0]), 1.0))
-    singles = [(_single(leaf, d), k) for leaf, k in components]
-    remove = _compose([(r, k) for (r, _), k in singles])
-    if all(a is None for (_, a), _ in singles):
-        return PrivacyLossDistribution(remove)
-    add = _compose([(a if a is not None else r, k) for (r, a), k in singles])
-    return PrivacyLossDistribution(remove, add)
+    symmetric = all(_single(leaf, d)[1] is None for leaf, _ in components)
+    remove = _compose_many(components, d, 0)
+    return PrivacyLossDistribution(remove, None if symmetric else _compose_many(components, d, 1))
+
+
+def _compose_many(components: tuple[tuple[Any, int], ...], d: float, pair: int) -> _Pmf:
+    """One pair's composed PMF (``pair``: 0 remove, 1 add; symmetric steps give their one PMF).
+
+    Up to ``_FOURIER_PARTS`` distinct steps: one product in the Fourier domain
+    (:func:`_compose`). More: each distinct step is self-composed by repeated squaring
+    (its own window), and the groups are convolved in a balanced tree
+    (:func:`_pmf.compose_balanced`), streamed so memory stays at ``log2 K`` PMFs; the
+    product of thousands of spectra would need a window search over all of them and
+    extended precision (its rounding bound grows with the total step count).
+    """
+
+    def pmf(leaf: Any) -> _Pmf:
+        remove, add = _single(leaf, d)
+        return add if pair == 1 and add is not None else remove
+
+    if len(components) <= _FOURIER_PARTS:
+        return _compose([(pmf(leaf), k) for leaf, k in components])
+    return _pmf.compose_balanced(_compose([(pmf(leaf), k)]) for leaf, k in components)
 
 
 def clear_caches() -> None:

@@ -1,0 +1,362 @@
+"""Discrete privacy-loss PMFs: the value, its discretisation, trimming, and one convolution.
+
+A :class:`Pmf` is the privacy-loss distribution of one dominating pair on the grid
+``(lo + i) * d`` plus a mass at ``+inf``. Everything here keeps it *pessimistic*: the
+discrete PMF dominates the exact one (connect-the-dots), trimmed upper mass goes to
+``+inf``, trimmed lower mass is rounded up, and the floating-point error of an FFT is
+bounded and added to every bin. :mod:`opake_fx.accounting.pld` composes many PMFs at once
+(Fourier domain); :func:`convolve` adds one more to a running composition, which is what
+:class:`~opake_fx.accounting.IncrementalPld` and compositions of many distinct processes
+are built from.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+
+import numpy as np
+from scipy import fft as sfft
+from scipy import signal
+
+from opake_fx.accounting import _curves
+from opake_fx.errors import InputValueError
+
+__all__ = ["Pmf", "GridTooLarge", "discretize", "trim", "convolve", "compose_balanced", "coarsen", "unit"]
+
+TRIM_MASS = 1e-20  # single-step mass trimmed from each end (pessimistically)
+FOLD_TAIL = 1e-16  # composed mass trimmed from each end after one convolution (pessimistically)
+MAX_GRID = 2**23  # largest window / single-step grid before coarsening
+_BAND = 1e-3  # an operand's entries below this fraction of its peak are convolved apart
+LAMBDAS = np.concatenate([2.0 ** (np.arange(-4, 11) / 2.0), -(2.0 ** (np.arange(-4, 11) / 2.0))])
+"""Tilts at which log-MGFs are kept for the Chernoff windows (ratio sqrt(2), 0.25 to 32)."""
+_POSITIVE = LAMBDAS > 0
+_DIRECT = 32  # below this many points in the smaller operand, convolve directly (no FFT)
+_EPS = float(np.finfo(np.float64).eps)
+
+
+class GridTooLarge(Exception):
+    """Raised internally when a grid would exceed ``MAX_GRID`` points."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
+
+
+class Pmf:
+    """A PLD of one pair on the grid ``(lo + i) * d`` plus a mass at +inf."""
+
+    def __init__(self, d: float, lo: int, probs: np.ndarray, inf: float, mgf: np.ndarray | None = None) -> None:
+        self.d = float(d)
+        self.lo = int(lo)
+        self.probs = np.ascontiguousarray(probs, dtype=np.float64)
+        self.probs.setflags(write=False)
+        self.inf = float(min(1.0, max(0.0, inf)))
+        self._tails: tuple[np.ndarray, np.ndarray] | None = None
+        self._mgf = mgf
+
+    def log_mgfs(self) -> np.ndarray:
+        """``log sum_j p_j e^{lam l_j}`` at every ``lam`` of ``LAMBDAS`` (finite part).
+
+        For a composition built by :func:`convolve` this is the sum of the operands'
+        values: for ``lam > 0`` an upper bound on the log-MGF of the exact composition
+        (every operand dominates its exact PMF bin by bin, up to mass moved upwards),
+        which is all the upper Chernoff cut needs.
+        """
+        if self._mgf is None:
+            self._mgf = _log_mgfs(self.probs, self.lo, self.d)
+        return self._mgf
+
+    @property
+    def size(self) -> int:
+        return self.probs.size
+
+    def losses(self) -> np.ndarray:
+        return (self.lo + np.arange(self.size)) * self.d
+
+    def tails(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(S, D)``: ``S_i = sum_{j>i} p_j e^{l_i - l_j}`` and ``D_i = delta(l_i)``.
+
+        Both come from recursions with non-negative terms only (no cancellation):
+        ``S_i = e^-d (S_{i+1} + p_{i+1})`` and ``D_i = D_{i+1} + (e^d - 1) S_i``.
+        """
+        if self._tails is None:
+            ed = math.exp(-self.d)
+            s = signal.lfilter([0.0, ed], [1.0, -ed], self.probs[::-1])[::-1]
+            dd = self.inf + math.expm1(self.d) * np.cumsum(s[::-1])[::-1]
+            self._tails = (np.ascontiguousarray(s), np.ascontiguousarray(dd))
+        return self._tails
+
+    def log_mgf(self, lam: float) -> float:
+        """``log sum_j p_j e^{lam l_j}`` over the finite part.
+
+        The grid is uniform, so ``e^{lam l_j}`` factors into a block offset and an
+        in-block power: one matrix-vector product plus a short logsumexp instead of one
+        exponential per grid point (blocks are kept short enough not to overflow).
+        """
+        step = lam * self.d
+        block = 1 << int(max(0, min(6, math.log2(40.0 / abs(step))))) if step != 0 else 64
+        p = self.probs
+        rows = p.size // block
+        weights = np.exp(step * np.arange(block))
+        sums = p[: rows * block].reshape(rows, block) @ weights  # a view: no copy
+        offsets = step * block * np.arange(rows)
+        rest = p.size - rows * block
+        if rest:
+            sums = np.append(sums, p[rows * block :] @ weights[:rest])
+            offsets = np.append(offsets, step * block * rows)
+        with np.errstate(divide="ignore"):
+            terms = np.log(sums) + offsets
+        top = float(terms.max())
+        if not math.isfinite(top):
+            return top
+        return lam * self.lo * self.d + top + math.log(float(np.exp(terms - top).sum()))
+
+    def delta_at(self, eps: float) -> float:
+        if eps == math.inf:
+            return self.inf
+        s, dd = self.tails()
+        i = int(np.searchsorted(self.losses(), eps, side="left"))
+        if i >= self.size:
+            return self.inf
+        li = (self.lo + i) * self.d
+        value = dd[i] - (s[i] + self.probs[i]) * math.expm1(min(eps - li, 0.0))
+        return float(min(1.0, max(0.0, value)))
+
+    def epsilon_at(self, delta: float) -> float:
+        if self.inf > delta:
+            return math.inf
+        s, dd = self.tails()
+        i = int(np.searchsorted(-dd, -delta, side="left"))  # first grid point with D_i <= delta
+        i = min(i, self.size - 1)
+        li = (self.lo + i) * self.d
+        denom = s[i] + self.probs[i]
+        if denom <= 0:
+            eps = li if i > 0 else -math.inf
+        else:
+            eps = li + math.log1p(max(-1.0, (dd[i] - delta) / denom))
+        if i > 0:
+            eps = max(eps, (self.lo + i - 1) * self.d)  # delta(l_{i-1}) > delta: stay above it
+        return max(0.0, eps)
+
+    def beta_at(self, alpha: float) -> float:
+        """Trade-off ``sup_eps 1 - delta(eps) - e^eps alpha`` (attained at grid points)."""
+        _, dd = self.tails()
+        if alpha <= 0.0:
+            return 1.0 - self.inf
+        li = self.losses()
+        keep = li < math.log(1.0 / alpha) + 1.0
+        vals = 1.0 - dd[keep] - alpha * np.exp(li[keep])
+        best = float(vals.max()) if vals.size else 0.0
+        return max(0.0, min(1.0 - alpha, best))
+
+
+
+def discretize(direction: _curves.Direction, d: float) -> Pmf:
+    """Pessimistic connect-the-dots PMF of one hockey-stick curve on the grid ``i * d``."""
+    if not (math.isfinite(direction.lo) and math.isfinite(direction.hi)):
+        raise GridTooLarge(MAX_GRID + 1)
+    # the grid always contains 0: the curve is split as (1 - e^eps)_+ (a unit mass at
+    # loss 0, exactly) plus its small excess, so no tail mass is lost to cancellation
+    i_lo = min(0, math.floor(direction.lo / d))
+    i_hi = max(0, math.ceil(direction.hi / d))
+    n = i_hi - i_lo + 1
+    if n > MAX_GRID:
+        raise GridTooLarge(n)
+    h = np.clip(direction.excess(np.arange(i_lo, i_hi + 1) * d), 0.0, 1.0)
+    probs = np.zeros(n)
+    if n > 1:
+        diffs = np.diff(h)
+        em1 = math.expm1(d)
+        probs[0] = -h[0] + diffs[0] / em1
+        probs[1:-1] = (diffs[1:] - diffs[:-1] * math.exp(d)) / em1
+        probs[-1] = diffs[-1] / math.expm1(-d)
+    probs[-i_lo] += 1.0
+    np.maximum(probs, 0.0, out=probs)
+    return trim(Pmf(d, i_lo, probs, h[-1]), TRIM_MASS)
+
+
+def trim(pmf: Pmf, budget: float) -> Pmf:
+    """Drops end bins holding <= ``budget`` mass per side: low end rounded up, high end to +inf."""
+    p = pmf.probs
+    if p.size <= 2:
+        return pmf
+    left = int(np.searchsorted(np.cumsum(p), budget, side="right"))
+    right = int(np.searchsorted(np.cumsum(p[::-1]), budget, side="right"))
+    left, right = min(left, p.size - 1), min(right, p.size - 1 - left)
+    if left == 0 and right == 0:
+        return pmf
+    kept = p[left : p.size - right].copy()
+    kept[0] += float(p[:left].sum())
+    return Pmf(pmf.d, pmf.lo + left, kept, pmf.inf + float(p[p.size - right :].sum()))
+
+
+
+def unit(d: float) -> Pmf:
+    """The PMF of a process that releases nothing: all mass at loss 0."""
+    return Pmf(d, 0, np.array([1.0]), 0.0)
+
+
+def convolve(a: Pmf, b: Pmf, tail: float = FOLD_TAIL) -> Pmf:
+    """The PMF of the sum of independent losses ``a`` and ``b`` (one composition step).
+
+    FFT convolution at the full length ``a.size + b.size - 1`` (no wrap-around), kept
+    pessimistic in floating point with precision *relative to each bin's order*:
+
+    * An FFT's rounding error is spread evenly over its output, at about
+      ``(log2 N + 7) * eps`` times the mean magnitude of the product spectrum (the bound
+      :mod:`opake_fx.accounting.pld` uses; checked there against extended precision).
+      Added to every bin at every step of a long composition, that floor would swamp
+      the tails that decide delta.
+    * So each operand is split exactly into its *bulk* (entries >= ``_BAND`` times its
+      peak) and the rest. ``bulk * bulk`` is one short FFT whose floor is added only on
+      its own support; ``rest * b + bulk * rest_b`` is one FFT whose floor scales with
+      the small entries.
+    * When the smaller operand has at most 32 points the sum is taken directly
+      (non-negative terms only: relative error at most ``size * eps``, paid by scaling
+      the result up).
+
+    Then the support is cut to the window outside of which the exact composition holds
+    at most ``tail / 2`` mass per side, by a Chernoff bound on the summed log-MGFs of
+    the operands (:meth:`Pmf.log_mgfs`): ``tail / 2`` goes to ``+inf`` for the upper
+    cut, the mass below the window is rounded up to its first point. So the support
+    stays the width of the composed distribution instead of growing by the operand's
+    width at every step. Mass at infinity composes as ``1 - (1 - a.inf)(1 - b.inf)``.
+
+    Raises:
+        GridTooLarge: the full support would exceed ``MAX_GRID`` points (coarsen first).
+    """
+    if a.d != b.d:
+        raise InputValueError(f"convolve: the grids differ ({a.d:g} vs {b.d:g}); coarsen the finer PMF first.")
+    inf = a.inf + b.inf - a.inf * b.inf
+    width = a.size + b.size - 1
+    if width > MAX_GRID:
+        raise GridTooLarge(width)
+    small = min(a.size, b.size)
+    if small <= _DIRECT:
+        out = np.convolve(a.probs, b.probs) * (1.0 + (small + 2) * _EPS)
+    else:
+        out = _banded_convolution(a.probs, b.probs)
+    mgf = a.log_mgfs() + b.log_mgfs()
+    return _cut(Pmf(a.d, a.lo + b.lo, out, inf, mgf), tail)
+
+
+def _cut(pmf: Pmf, tail: float) -> Pmf:
+    """Cuts ``pmf`` to its Chernoff window at ``tail / 2`` per side (see :func:`convolve`)."""
+    mgf = pmf.log_mgfs()
+    c = math.log(2.0 / tail)
+    with np.errstate(invalid="ignore", over="ignore"):
+        upper = (mgf[_POSITIVE] + c) / LAMBDAS[_POSITIVE]
+        lower = (mgf[~_POSITIVE] + c) / LAMBDAS[~_POSITIVE]
+    upper, lower = upper[np.isfinite(upper)], lower[np.isfinite(lower)]
+    last = pmf.lo + pmf.size - 1
+    hi = min(last, math.ceil(float(upper.min()) / pmf.d)) if upper.size else last
+    lo = max(pmf.lo, math.floor(float(lower.max()) / pmf.d)) if lower.size else pmf.lo
+    lo = min(lo, hi)
+    if lo == pmf.lo and hi == last:
+        return pmf
+    p = pmf.probs
+    kept = p[lo - pmf.lo : hi - pmf.lo + 1].copy()
+    kept[0] += float(p[: lo - pmf.lo].sum())
+    inf = pmf.inf + (tail / 2.0 if hi < last else 0.0)
+    return Pmf(pmf.d, lo, kept, inf, mgf)
+
+
+def _log_mgfs(probs: np.ndarray, lo: int, d: float) -> np.ndarray:
+    """``log sum_i p_i e^{lam (lo + i) d}`` for every ``lam`` in ``LAMBDAS``.
+
+    Blocks of ``L`` points share one table ``e^{lam d i}``, ``i < L`` (short enough not
+    to overflow): one matrix product, then a log-sum-exp over the block offsets.
+    """
+    block = max(1, min(1024, int(600.0 / (float(np.abs(LAMBDAS).max()) * d))))
+    table = _mgf_table(d, block)
+    rows = -(-probs.size // block)
+    padded = np.zeros(rows * block)
+    padded[: probs.size] = probs
+    sums = padded.reshape(rows, block) @ table  # (rows, lambdas)
+    offsets = np.outer(np.arange(rows) * block * d, LAMBDAS)
+    with np.errstate(divide="ignore"):
+        terms = np.log(sums) + offsets
+    top = terms.max(axis=0)
+    safe = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):
+        total = safe + np.log(np.exp(terms - safe).sum(axis=0))
+    # relative rounding of the sums is far below this margin (keeps the bound an upper one)
+    return np.where(np.isfinite(top), total + 1e-9, top) + LAMBDAS * lo * d
+
+
+@functools.lru_cache(maxsize=8)
+def _mgf_table(d: float, block: int) -> np.ndarray:
+    return np.exp(np.outer(np.arange(block) * d, LAMBDAS))
+
+
+def _banded_convolution(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``np.convolve(a, b)`` by FFT, plus a per-bin rounding bound of each bin's own order."""
+    width = a.size + b.size - 1
+    a_hi, a_lo, (a0, a1) = _split(a)
+    b_hi, b_lo, (b0, b1) = _split(b)
+    # the bulks: a short convolution on the bulks' own support
+    n_hi = sfft.next_fast_len(a1 - a0 + b1 - b0 - 1, real=True)
+    spectrum = sfft.rfft(a[a0:a1], n_hi) * sfft.rfft(b[b0:b1], n_hi)
+    bulk = sfft.irfft(spectrum, n_hi)[: a1 - a0 + b1 - b0 - 1]
+    bulk = np.maximum(bulk, 0.0) + _floor(spectrum, n_hi)
+    # the rest: small entries times everything, and the bulk of a times the rest of b
+    n = sfft.next_fast_len(width, real=True)
+    fa_lo, fb_lo = sfft.rfft(a_lo, n), sfft.rfft(b_lo, n)
+    first = fa_lo * (sfft.rfft(b_hi, n) + fb_lo)
+    second = sfft.rfft(a_hi, n) * fb_lo
+    rest = sfft.irfft(first + second, n)[:width]
+    out = np.maximum(rest, 0.0) + (_floor(first, n) + _floor(second, n))
+    out[a0 + b0 : a0 + b0 + bulk.size] += bulk
+    return out
+
+
+def _split(p: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+    """``p = hi + lo`` exactly: ``hi`` keeps entries >= ``_BAND * max``; and hi's index range."""
+    big = p >= _BAND * float(p.max())
+    idx = np.flatnonzero(big)
+    hi = np.where(big, p, 0.0)
+    return hi, p - hi, (int(idx[0]), int(idx[-1]) + 1)
+
+
+def _floor(spectrum: np.ndarray, n_fft: int) -> float:
+    """Per-bin rounding bound of an inverse FFT of ``spectrum``: ``(log2 N + 7) eps mean|F|``."""
+    magnitude = (abs(spectrum[0]) + 2.0 * np.abs(spectrum[1:]).sum()) / n_fft
+    return (math.log2(n_fft) + 7.0) * _EPS * float(magnitude)
+
+
+def compose_balanced(pmfs: Iterable[Pmf], tail: float = FOLD_TAIL) -> Pmf:
+    """The PMF of the sum of all ``pmfs``, convolved pairwise in a balanced tree.
+
+    A tree of depth ``log2 K`` instead of a chain of ``K`` convolutions: operands of
+    similar width meet and each partial result passes through few later roundings. The
+    tree is built as a binary counter over the stream, so at most ``log2 K`` partial
+    results are held at once (``pmfs`` may be a generator). Total trimmed mass is at most
+    ``(K - 1) * tail`` per side.
+    """
+    stack: list[tuple[int, Pmf]] = []  # (level, pmf): a level-l entry holds 2**l inputs
+    for pmf in pmfs:
+        level = 0
+        while stack and stack[-1][0] == level:
+            pmf = convolve(stack.pop()[1], pmf, tail)
+            level += 1
+        stack.append((level, pmf))
+    if not stack:
+        raise InputValueError("compose_balanced: nothing to compose; pass at least one PMF.")
+    result = stack.pop()[1]
+    while stack:
+        result = convolve(stack.pop()[1], result, tail)
+    return result
+
+
+def coarsen(pmf: Pmf, factor: int) -> Pmf:
+    """The same PMF on the grid ``factor * d``, every loss rounded up (pessimistic)."""
+    if factor == 1:
+        return pmf
+    first = -((-pmf.lo) // factor)  # ceil(lo / factor): the coarse point at or above lo
+    # fine index i (loss (lo + i) d) goes to coarse point ceil((lo + i) / factor)
+    offsets = np.arange(pmf.size) + pmf.lo
+    coarse = -((-offsets) // factor) - first
+    probs = np.bincount(coarse, weights=pmf.probs, minlength=int(coarse[-1]) + 1)
+    return Pmf(pmf.d * factor, first, probs, pmf.inf)
