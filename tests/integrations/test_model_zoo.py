@@ -33,6 +33,8 @@ from opake_fx.errors import OpakeError, SlowPathWarning
 from opake_fx.functional import make_functional
 from tests.integrations import _zoo as Z
 
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft on transformers 5
+
 BACKENDS = ("vmap", "ghost", "auto")
 HF_MASKED = ("llama", "qwen2", "gpt_neox", "gpt2_tied", "gpt2_default_positions", "bert_cls", "bert_mlm", "roberta_mlm", "t5", "llama_lora")
 RNNS = ("lstm", "gru", "lstm_2layer", "lstm_2layer_h_n")
