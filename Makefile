@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/accounting.py
 	$(PY) benchmarks/clipping.py --quick
 	$(PY) benchmarks/architectures.py --quick
+	$(PY) benchmarks/secure_noise.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -19,6 +19,7 @@ from opake_fx.typing import typechecked
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import tree_flatten_with_paths
 from opake_fx.random import RngKey, flat_tree_normal, fold_in, tree_normal
+from opake_fx.secure_random import add_secure_gaussian
 from opake_fx.transforms import Transform
 from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup
 
@@ -59,6 +60,7 @@ def gaussian_noise(
     key: RngKey,
     allocation: str = "optimal",
     exact: bool = False,
+    secure: bool = False,
 ) -> tuple[Callable[[ClippedPytree, GaussianNoiseState], tuple[NoisedPytree, GaussianNoiseState]], GaussianNoiseState]:
     """Makes the Gaussian mechanism for :class:`~opake_fx.types.ClippedPytree` inputs.
 
@@ -76,6 +78,11 @@ def gaussian_noise(
         key: the noise key; pass the SAME key on every rank under DDP.
         allocation: per-group stddev allocation (ignored for a scalar ``max_norm``).
         exact: draw JAX-identical Threefry normals (slow; for tests).
+        secure: draw from the OS's cryptographically strong source with a sampler whose
+            low-order bits do not reveal the unnoised value (see
+            :mod:`opake_fx.secure_random`): for releases an attacker may see bit for bit.
+            Not reproducible: ``key`` then only counts steps, and under DDP rank 0's
+            draw is broadcast. Slower (``benchmarks/secure_noise.py``).
 
     Privacy:
         Each call is the Gaussian mechanism with noise multiplier ``noise_multiplier``
@@ -95,6 +102,8 @@ def gaussian_noise(
     """
     check_noise_multiplier(noise_multiplier)
     _check_allocation(allocation)
+    if secure and exact:
+        raise InputValueError("gaussian_noise: secure=True draws unpredictable noise; it cannot go with exact=True (keyed replay).")
 
     def noise_fn(clipped: ClippedPytree, state: GaussianNoiseState) -> tuple[NoisedPytree, GaussianNoiseState]:
         check_clipped_input(clipped, noise_multiplier, mechanism="gaussian_noise")
@@ -109,7 +118,9 @@ def gaussian_noise(
         paths, leaves, spec = tree_flatten_with_paths(clipped.pytree)
         step_key = fold_in(state.key, state.step)
         stds = [std.for_path(p) for p in paths] if isinstance(std, PerGroup) else None
-        if exact:
+        if secure:
+            noised_leaves = add_secure_gaussian(leaves, stds if stds is not None else [float(std)] * len(leaves))
+        elif exact:
             draws = tree_normal(step_key, leaves, exact=True)
             noised_leaves = [
                 torch.add(leaf, z, alpha=std if stds is None else stds[i]) for i, (leaf, z) in enumerate(zip(leaves, draws))
@@ -129,12 +140,12 @@ def gaussian_noise(
 
 
 @typechecked
-def noise(*, noise_multiplier: float, key: RngKey, allocation: str = "optimal") -> Transform:
+def noise(*, noise_multiplier: float, key: RngKey, allocation: str = "optimal", secure: bool = False) -> Transform:
     """:func:`gaussian_noise` as a chain stage (``ClippedPytree`` in, ``NoisedPytree`` out).
 
-    Privacy: as :func:`gaussian_noise`.
+    Privacy: as :func:`gaussian_noise` (``secure=True`` as there).
     """
-    noise_fn, state0 = gaussian_noise(noise_multiplier=noise_multiplier, key=key, allocation=allocation)
+    noise_fn, state0 = gaussian_noise(noise_multiplier=noise_multiplier, key=key, allocation=allocation, secure=secure)
 
     def update(x: Any, state: GaussianNoiseState, params: Any = None, **extra: Any) -> tuple[NoisedPytree, Any]:
         return noise_fn(x, state)
