@@ -39,7 +39,8 @@ from typing import Any
 import optree
 import torch
 
-from opake_fx.distributed._checks import check_identical, fingerprint
+from opake_fx.distributed._checks import fingerprint
+from opake_fx.distributed.agreement import agree
 from opake_fx.distributed._backend import collective_device, resolve_op
 from opake_fx.distributed.collectives import all_reduce_, get_world_size, is_distributed
 from opake_fx.errors import InputTypeError, InputValueError
@@ -190,10 +191,14 @@ def reduce_pytree_(pytree: PyTree, op: str = "sum") -> None:
     _execute(_plan(pytree, op, in_place=True, where="reduce_pytree_"))
 
 
-def _reduce_copy(tree: PyTree, op: str, *, where: str) -> PyTree:
-    """:func:`reduce_pytree` with ``where`` naming the caller in error messages."""
+def _reduce_copy(tree: PyTree, op: str, *, where: str, full_check: bool = True) -> PyTree:
+    """:func:`reduce_pytree` with ``where`` naming the caller in error messages.
+
+    ``full_check=False`` checks the ranks' agreement by one all-reduce of a digest (the
+    full comparison runs only when the digests differ), for stages past their first step.
+    """
     plan = _plan(tree, op, in_place=False, where=where)
-    _execute(plan)
+    _execute(plan, full_check=full_check)
     return plan.result
 
 
@@ -238,13 +243,14 @@ def _plan(tree: PyTree, op: str, *, in_place: bool, where: str) -> _Plan:
     return plan
 
 
-def _execute(plan: _Plan) -> None:
+def _execute(plan: _Plan, *, full_check: bool = True) -> None:
     if not is_distributed():
         return
     device = collective_device(plan.tensors[0] if plan.tensors else None)
-    check_identical(
+    agree(
         plan.where,
         [("tree structure (leaf shapes, dtypes and wrapper types)", fingerprint(plan.shapes)), *plan.fields],
+        full=full_check,
         fix=(
             "Every rank must pass the same tree (same parameters in the same order, same dtypes) with the same "
             "wrapper metadata: build clipped_grad with the same clipping_norm and normalize_by on every rank, "

@@ -33,6 +33,7 @@ from opake_fx.pytree import tree_flatten_with_paths
 from opake_fx.random import RngKey, flat_tree_normal, fold_in, tree_normal
 from opake_fx.transforms import Transform
 from opake_fx.types import ClippedPytree, NoisedPytree
+from opake_fx.distributed.agreement import AgreementCheck
 from opake_fx.typing import typechecked
 
 __all__ = ["MfNoiseState", "mf_gaussian_noise", "noise"]
@@ -113,7 +114,11 @@ def mf_gaussian_noise(
         :func:`opake_fx.dpftrl.accounting.mf_gaussian` (same ``min_sep``,
         ``max_participations``, ``epochs``), or with ``accounting.poisson`` for banded
         strategies under cyclic Poisson sampling. Refuses anything that is not a
-        ``ClippedPytree``, a changing ``max_norm``, and steps beyond ``n_steps``.
+        ``ClippedPytree``, a changing ``max_norm``, and steps beyond ``n_steps``. Under a
+        process group every call checks that all ranks hold the same key, step,
+        ``noise_multiplier``, strategy sensitivity, horizon and ``max_norm`` (in full on
+        the first call, then by one all-reduce of a digest); ``DistributedMismatchError``
+        on every rank otherwise.
 
     Example:
         >>> import torch
@@ -148,11 +153,30 @@ def mf_gaussian_noise(
         sens = strategy.sensitivity(min_sep, max_participations, n=horizon)
     inverse = strategy.inverse_noise()
     row_norms: list[torch.Tensor] = []
+    ranks_agree = AgreementCheck(
+        "mf_gaussian_noise",
+        fix=(
+            "Build the noise stage with the same strategy, key, noise_multiplier and participation (min_sep, "
+            "max_participations, epochs) on every rank, resume every rank from the same checkpoint, and clip with "
+            "the same clipping_norm and normalize_by: otherwise some rank adds different or less noise than the "
+            "accountant assumes."
+        ),
+    )
 
     def noise_fn(clipped: ClippedPytree, state: MfNoiseState) -> tuple[NoisedPytree, MfNoiseState]:
         check_clipped_input(clipped, noise_multiplier, mechanism="mf_gaussian_noise")
         if not isinstance(state, MfNoiseState):
             raise InputTypeError(f"noise_fn needs the MfNoiseState it returned; got {type(state).__name__}.")
+        ranks_agree(
+            [
+                ("key", state.key),
+                ("step", state.step),
+                ("noise_multiplier", float(noise_multiplier)),
+                ("sensitivity", float(sens)),
+                ("n_steps", int(horizon)),
+                ("max_norm", clipped.max_norm),
+            ]
+        )
         t = state.step
         if t >= horizon:
             raise OperationError(

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from opake_fx._noise_input import check_clipped_input, check_noise_multiplier, check_noise_state
+from opake_fx.distributed.agreement import AgreementCheck
 from opake_fx.typing import typechecked
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import tree_flatten_with_paths
@@ -28,6 +29,11 @@ __all__ = ["GaussianNoiseState", "gaussian_noise", "noise", "noise_stddev_for"]
 # The per-group allocations. Hinted ``str`` rather than a Literal, so that another string is
 # reported as a wrong value (InputValueError naming the options), as elsewhere in the library.
 _ALLOCATIONS = ("optimal", "isotropic")
+_AGREEMENT_FIX = (
+    "Build the noise stage with the same key and noise_multiplier on every rank, resume every rank from the "
+    "same checkpoint (the same step), and clip with the same clipping_norm and normalize_by: otherwise some rank "
+    "adds different or less noise than the accountant assumes."
+)
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,10 @@ def gaussian_noise(
         Poisson-sampled batches). Both per-group allocations cost exactly that. Refuses
         anything that is not a ``ClippedPytree`` (unclipped gradients have unbounded
         sensitivity) and a ``NoisedPytree`` (noise is added once, after aggregation).
+        Under a process group every call checks that all ranks hold the same key, step,
+        ``noise_multiplier``, ``max_norm`` and allocation (in full on the first call, then
+        by one all-reduce of a digest) and raises ``DistributedMismatchError`` on every
+        rank otherwise, before any noise is drawn.
 
     Example:
         >>> import torch
@@ -104,6 +114,7 @@ def gaussian_noise(
     _check_allocation(allocation)
     if secure and exact:
         raise InputValueError("gaussian_noise: secure=True draws unpredictable noise; it cannot go with exact=True (keyed replay).")
+    ranks_agree = AgreementCheck("gaussian_noise", fix=_AGREEMENT_FIX)
 
     def noise_fn(clipped: ClippedPytree, state: GaussianNoiseState) -> tuple[NoisedPytree, GaussianNoiseState]:
         check_clipped_input(clipped, noise_multiplier, mechanism="gaussian_noise")
@@ -111,6 +122,15 @@ def gaussian_noise(
             raise InputTypeError(
                 f"noise_fn needs the GaussianNoiseState it returned; got {type(state).__name__}."
             )
+        ranks_agree(
+            [
+                ("key", state.key),
+                ("step", state.step),
+                ("noise_multiplier", float(noise_multiplier)),
+                ("max_norm", clipped.max_norm),
+                ("allocation", _ALLOCATIONS.index(allocation)),
+            ]
+        )
         new_state = replace(state, step=state.step + 1)
         std = noise_stddev_for(clipped.max_norm, noise_multiplier, allocation)
         if noise_multiplier == 0.0:
