@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -70,8 +70,6 @@ class Case:
     trainable: Callable[[str], bool] | None = None
     hf: bool = False
     slow: bool = False
-    notes: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 # --- data ----------------------------------------------------------------------------------

@@ -36,11 +36,13 @@ from tests.integrations import _zoo as Z
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft on transformers 5
 
 BACKENDS = ("vmap", "ghost", "auto")
-HF_MASKED = ("llama", "qwen2", "gpt_neox", "gpt2_tied", "gpt2_default_positions", "bert_cls", "bert_mlm", "roberta_mlm", "t5", "llama_lora")
+HF_MASKED = ("llama", "qwen2", "gpt_neox", "gpt2_tied", "gpt2_default_positions", "bert_cls", "bert_mlm",
+             "roberta_mlm", "t5", "llama_lora")
 RNNS = ("lstm", "gru", "lstm_2layer", "lstm_2layer_h_n")
 
 # --- what fails today, and why -----------------------------------------------------------------
-# (case, size label or "*", backend or "*") -> reason. The first match wins.
+# (case, size label or "*", backend or "*", reason, exception type(s) expected today).
+# The first match wins.
 
 VMAP_HF_MASK = (
     "vmap backend: transformers' sdpa mask code (masking_utils._ignore_causal_mask_sdpa / "
@@ -48,8 +50,8 @@ VMAP_HF_MASK = (
     "_engine.vmap_backend has no exact per-example fallback"
 )
 VMAP_RNN = (
-    "vmap of a float64 nn.LSTM/GRU fails inside aten ('output with shape [1, 4H] doesn't match the broadcast "
-    "shape [B, 1, 4H]') -> raw error; no exact per-example fallback"
+    "vmap of a float64 nn.LSTM/GRU fails inside aten ('output with shape [1, gates*H] doesn't match the "
+    "broadcast shape [B, 1, gates*H]') -> raw error; no exact per-example fallback"
 )
 FAST_RNN = (
     "LSTM/GRU: h_n/c_n are [layers, B, H], so _ghost._batched rejects the call and routes it to the whole-loss "
