@@ -23,6 +23,8 @@ settings.register_profile(
     print_blob=True,
 )
 settings.register_profile("dev", deadline=None, max_examples=50, suppress_health_check=[HealthCheck.too_slow])
+# "nightly": long fuzzing (tests/fuzz/ run 2000+ draws per test under it); otherwise as "ci".
+settings.register_profile("nightly", parent=settings.get_profile("ci"), max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
