@@ -7,8 +7,8 @@ Each returns a :class:`~opake_fx.transforms.Transform`::
     params = apply_updates(params, updates)        # params + updates
 
 ``updates`` are to be *added* to the parameters (``-learning_rate * direction``), exactly
-as in optax. Gradients may be plain pytrees or the DP wrappers
-(:class:`~opake_fx.types.ClippedPytree`, :class:`~opake_fx.types.NoisedPytree`); the
+as in optax. Gradients may be plain pytrees or a noised DP wrapper
+(:class:`~opake_fx.types.NoisedPytree`; an un-noised ``ClippedPytree`` is refused); the
 updates are plain pytrees. Nothing is modified in place: ``grads``, ``params`` and the
 old state are left untouched, and the numbers match ``torch.optim.SGD``, ``Adam`` and
 ``AdamW`` step for step.
@@ -23,8 +23,10 @@ DP-SGD with a rescaled learning rate. ``adam(..., dp_bias_correction=...)`` subt
 ``Phi`` and divides by ``sqrt(max(v_hat - Phi, gamma))`` instead of ``sqrt(v_hat) + eps``.
 
 Privacy: optimizers are post-processing of their input: applied to a ``NoisedPytree``
-they change no guarantee. They add no privacy either: applied to a plain or merely
-clipped gradient, the result is not private.
+they change no guarantee. They add no privacy either: applied to a plain gradient the
+result is not private, and a ``ClippedPytree`` that was never noised is refused
+(``InputTypeError``: a clipped gradient means DP was intended, and training on it
+without noise would release it); a non-private baseline adds ``noise_multiplier=0``.
 
 Example:
     >>> import torch
@@ -51,7 +53,8 @@ import torch
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths, zeros_like
 from opake_fx.transforms import Transform, unwrap
-from opake_fx.types import NoisedPytree, PerGroup
+from opake_fx.pipeline_privacy import StagePrivacy
+from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup
 from opake_fx.typing import typechecked
 
 __all__ = ["SgdState", "AdamState", "sgd", "adam", "adamw"]
@@ -146,7 +149,7 @@ def sgd(
         updates = optree.tree_unflatten(spec, [-lr * d for d in d_leaves])
         return updates, SgdState(count=state.count + 1, momentum=new_buf)
 
-    return Transform(init, update)
+    return Transform(init, update, StagePrivacy("optimizer", f"sgd(momentum={momentum:g})"))
 
 
 @typechecked
@@ -308,7 +311,7 @@ def _adam(
         new_state = AdamState(count=t, mu=optree.tree_unflatten(spec, m_leaves), nu=optree.tree_unflatten(spec, v_leaves))
         return optree.tree_unflatten(spec, out), new_state
 
-    return Transform(init, update)
+    return Transform(init, update, StagePrivacy("optimizer", name))
 
 
 def _noise_variances(grads: Any, paths: list[Any], setting: Any, where: str) -> list[float]:
@@ -339,6 +342,13 @@ def _noise_variances(grads: Any, paths: list[Any], setting: Any, where: str) -> 
 
 
 def _flatten(grads: Any, where: str) -> tuple[list[torch.Tensor], Any, list[Any]]:
+    if isinstance(grads, ClippedPytree) and not isinstance(grads, NoisedPytree):
+        raise InputTypeError(
+            f"{where} got a ClippedPytree that was never noised: training on it would release the clipped "
+            "gradients without noise, which is not private. Add the noise stage (noise(noise_multiplier=sigma, "
+            "key=key) or gaussian_noise) before the optimizer, or noise_multiplier=0 for an explicit non-private "
+            "baseline; pass `.pytree` only if you mean to leave DP altogether."
+        )
     paths, leaves, spec = tree_flatten_with_paths(unwrap(grads))
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.pipeline_privacy import PrivacyReport, StagePrivacy, check_stage_order, privacy_report
 from opake_fx.pytree import tree_map
 from opake_fx.types import ClippedPytree, EmptyState
 from opake_fx.typing import typechecked
@@ -39,10 +40,32 @@ __all__ = ["Transform", "chain", "named_chain", "identity", "stateless", "apply_
 
 
 class Transform(NamedTuple):
-    """A pure stage: ``init(params) -> state`` and ``update(x, state, params=None, **extra) -> (out, state)``."""
+    """A pure stage: ``init(params) -> state`` and ``update(x, state, params=None, **extra) -> (out, state)``.
+
+    ``privacy`` describes what the stage does to privacy (a
+    :class:`~opake_fx.pipeline_privacy.StagePrivacy`; ``None`` for stages that do not
+    say): :func:`chain` checks the stage order with it, and :meth:`privacy_report`
+    reports it.
+    """
 
     init: Callable[[Any], Any]
     update: Callable[..., tuple[Any, Any]]
+    privacy: StagePrivacy | None = None
+
+    def privacy_report(
+        self, *, sample_rate: float | None = None, steps: int | None = None, delta: float | None = None
+    ) -> PrivacyReport:
+        """The stage-by-stage privacy of this transform (see :func:`opake_fx.pipeline_privacy.privacy_report`).
+
+        Privacy: reading only.
+
+        Example:
+            >>> from opake_fx.optimizers import sgd
+            >>> chain(sgd(0.1)).privacy_report().private   # no clip, no noise
+            False
+        """
+        stages = self.privacy.stages if self.privacy is not None and self.privacy.kind == "chain" else (("0", self.privacy),)
+        return privacy_report(stages, sample_rate=sample_rate, steps=steps, delta=delta)
 
 
 def identity() -> Transform:
@@ -76,10 +99,20 @@ def chain(*transforms: Transform) -> Transform:
     """Composes transforms left to right; the state is the tuple of their states.
 
     Privacy: the chain's guarantee is that of its mechanisms (the noise stages); the
-    typed values between stages make a noise stage refuse unclipped input.
+    typed values between stages make a noise stage refuse unclipped input. Building a
+    chain whose clip stage reaches an optimizer without a noise stage in between, or with
+    a gradient stage before clip, raises ``OperationError``
+    (:func:`opake_fx.pipeline_privacy.check_stage_order`); a non-private baseline uses
+    ``noise(noise_multiplier=0, ...)``. ``chain(...).privacy_report()`` reports it.
+
+    Raises:
+        InputTypeError: an argument is not a ``Transform``.
+        OperationError: the stage order breaks clip -> (psum) -> noise -> optimizer.
     """
     for i, t in enumerate(transforms):
         _check_transform(t, f"chain argument {i}")
+    described = tuple((str(i), t.privacy) for i, t in enumerate(transforms))
+    check_stage_order(described, "chain")
 
     def init(params: Any) -> tuple[Any, ...]:
         return tuple(t.init(params) for t in transforms)
@@ -97,14 +130,15 @@ def chain(*transforms: Transform) -> Transform:
             new_states.append(s)
         return x, tuple(new_states)
 
-    return Transform(init, update)
+    return Transform(init, update, StagePrivacy("chain", stages=described))
 
 
 @typechecked
 def named_chain(*named: tuple[str, Transform]) -> Transform:
     """Like :func:`chain`, with named stages; the state is a ``dict`` name -> state.
 
-    Names make states easy to find (``state["noise"]``) and to checkpoint.
+    Names make states easy to find (``state["noise"]``) and to checkpoint, and name the
+    rows of ``privacy_report()``. The stage order is checked as by :func:`chain`.
 
     Example:
         >>> from opake_fx.optimizers import sgd
@@ -119,6 +153,8 @@ def named_chain(*named: tuple[str, Transform]) -> Transform:
         if not isinstance(name, str):
             raise InputTypeError(f"named_chain takes (name, transform) pairs; got name {name!r}.")
         _check_transform(t, f"named_chain stage {name!r}")
+    described = tuple((name, t.privacy) for name, t in named)
+    check_stage_order(described, "named_chain")
 
     def init(params: Any) -> dict[str, Any]:
         return {name: t.init(params) for name, t in named}
@@ -135,7 +171,7 @@ def named_chain(*named: tuple[str, Transform]) -> Transform:
             x, new_state[name] = t.update(x, state[name], params, **extra)
         return x, new_state
 
-    return Transform(init, update)
+    return Transform(init, update, StagePrivacy("chain", stages=described))
 
 
 def unwrap(tree: Any) -> Any:

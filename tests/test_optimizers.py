@@ -181,20 +181,21 @@ def test_purity_property(values, lr):
 
 
 @pytest.mark.parametrize("opt_fn", [lambda: sgd(0.1, momentum=0.9), lambda: adam(0.01), lambda: adamw(0.01)])
-def test_dp_wrappers_are_accepted_and_give_plain_updates(opt_fn):
+def test_noised_wrappers_are_accepted_and_un_noised_clipped_ones_refused(opt_fn):
     params = _params()
     plain = _grads(0)
-    clipped = ClippedPytree(plain, max_norm=0.5)
     noised = NoisedPytree(plain, max_norm=0.5, noise_stddev=1.0)
     outs = []
-    for g in (plain, clipped, noised):
+    for g in (plain, noised):
         opt = opt_fn()
         updates, _ = opt.update(g, opt.init(params), params)
         assert isinstance(updates, dict)
         outs.append(updates)
-    for out in outs[1:]:
-        for k in out:
-            assert torch.equal(out[k], outs[0][k])
+    for k in outs[1]:
+        assert torch.equal(outs[1][k], outs[0][k])
+    opt = opt_fn()
+    with pytest.raises(InputTypeError, match="ClippedPytree that was never noised"):
+        opt.update(ClippedPytree(plain, max_norm=0.5), opt.init(params), params)
 
 
 def test_in_a_chain_with_extras_ignored():

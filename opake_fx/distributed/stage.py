@@ -6,6 +6,7 @@ from typing import Any
 
 from opake_fx.distributed.collectives import is_distributed
 from opake_fx.distributed.gradients import _check_tree, _reduce_copy, _refuse_noised
+from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.transforms import Transform
 from opake_fx.types import EmptyState
 
@@ -63,4 +64,4 @@ def psum() -> Transform:
         calls[0] += 1
         return out, state
 
-    return Transform(init, update)
+    return Transform(init, update, StagePrivacy("aggregate", "sum over ranks"))

@@ -31,6 +31,7 @@ from opake_fx.dpftrl.strategies._base import Strategy
 from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError, OperationError
 from opake_fx.pytree import tree_flatten_with_paths
 from opake_fx.random import RngKey, flat_tree_normal, fold_in, tree_normal
+from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.transforms import Transform
 from opake_fx.types import ClippedPytree, NoisedPytree
 from opake_fx.distributed.agreement import AgreementCheck
@@ -139,18 +140,7 @@ def mf_gaussian_noise(
             f"mf_gaussian_noise needs key=opake_fx.random.key(seed); got {type(key).__name__}. Use the same key on "
             "every rank so all ranks add identical noise."
         )
-    horizon = strategy.n_steps if strategy.n_steps is not None else n_steps
-    if horizon is None:
-        raise InputValueError(
-            f"mf_gaussian_noise: {strategy!r} has no n_steps; pass n_steps= (the length of the run) so the "
-            "sensitivity covers the whole run."
-        )
-    if strategy.n_steps is not None and n_steps is not None and n_steps != strategy.n_steps:
-        raise InputValueError(f"mf_gaussian_noise: n_steps={n_steps} differs from the strategy's n_steps={strategy.n_steps}.")
-    if epochs is not None:
-        sens = strategy.epoch_sensitivity(epochs, n=horizon)
-    else:
-        sens = strategy.sensitivity(min_sep, max_participations, n=horizon)
+    horizon, sens = _horizon_and_sensitivity(strategy, min_sep, max_participations, epochs, n_steps)
     inverse = strategy.inverse_noise()
     row_norms: list[torch.Tensor] = []
     ranks_agree = AgreementCheck(
@@ -214,6 +204,7 @@ def mf_gaussian_noise(
         marginal = std * float(row_norms[0][t])
         return NoisedPytree(noised, clipped.max_norm, noise_stddev=marginal), MfNoiseState(state.key, t + 1, new_buffers, mn)
 
+    noise_fn.sensitivity = sens  # type: ignore[attr-defined]  # read by the chain stage's privacy description
     return noise_fn, MfNoiseState(key=key)
 
 
@@ -265,7 +256,32 @@ def noise(
     def update(x: Any, state: MfNoiseState, params: Any = None, **extra: Any) -> tuple[NoisedPytree, MfNoiseState]:
         return noise_fn(x, state)
 
-    return Transform(init, update)
+    sens = noise_fn.sensitivity  # type: ignore[attr-defined]
+    described = StagePrivacy(
+        "noise",
+        f"matrix-factorisation gaussian ({type(strategy).__name__}), noise_multiplier={noise_multiplier:g}",
+        noise_multiplier=float(noise_multiplier),
+        mechanism="mf_gaussian",
+        noise_sensitivity=sens,
+    )
+    return Transform(init, update, described)
+
+
+def _horizon_and_sensitivity(
+    strategy: Strategy, min_sep: int, max_participations: int | None, epochs: int | None, n_steps: int | None
+) -> tuple[int, float]:
+    """The run's length and the strategy's sensitivity under the stated participation."""
+    horizon = strategy.n_steps if strategy.n_steps is not None else n_steps
+    if horizon is None:
+        raise InputValueError(
+            f"mf_gaussian_noise: {strategy!r} has no n_steps; pass n_steps= (the length of the run) so the "
+            "sensitivity covers the whole run."
+        )
+    if strategy.n_steps is not None and n_steps is not None and n_steps != strategy.n_steps:
+        raise InputValueError(f"mf_gaussian_noise: n_steps={n_steps} differs from the strategy's n_steps={strategy.n_steps}.")
+    if epochs is not None:
+        return horizon, float(strategy.epoch_sensitivity(epochs, n=horizon))
+    return horizon, float(strategy.sensitivity(min_sep, max_participations, n=horizon))
 
 
 def _shapes_like(leaves: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:

@@ -21,6 +21,7 @@ from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import tree_flatten_with_paths
 from opake_fx.random import RngKey, flat_tree_normal, fold_in, tree_normal
 from opake_fx.secure_random import add_secure_gaussian
+from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.transforms import Transform
 from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup
 
@@ -170,7 +171,11 @@ def noise(*, noise_multiplier: float, key: RngKey, allocation: str = "optimal", 
     def update(x: Any, state: GaussianNoiseState, params: Any = None, **extra: Any) -> tuple[NoisedPytree, Any]:
         return noise_fn(x, state)
 
-    return Transform(lambda params: state0, update)
+    described = StagePrivacy(
+        "noise", f"gaussian, noise_multiplier={noise_multiplier:g}", noise_multiplier=float(noise_multiplier),
+        mechanism="gaussian",
+    )
+    return Transform(lambda params: state0, update, described)
 
 
 @typechecked

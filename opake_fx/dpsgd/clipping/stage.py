@@ -10,6 +10,7 @@ from opake_fx.dpsgd.clipping._ghost import ClipBackend
 from opake_fx.dpsgd.clipping.fixed import clipped_grad
 from opake_fx.functional import FunctionalModel
 from opake_fx.errors import InputValueError
+from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.transforms import Transform
 from opake_fx.types import ClippedPytree, PerGroup
 
@@ -49,27 +50,39 @@ def clip(
         >>> type(out).__name__, out.max_norm
         ('NoisedPytree', 1.0)
     """
-    return as_stage(
-        *clipped_grad(
-            loss_fn,
-            argnums=0,
-            clipping_norm=clipping_norm,
-            normalize_by=normalize_by,
-            batch_argnums=batch_argnums,
-            microbatch_size=microbatch_size,
-            clip_backend=clip_backend,
-            model=model,
-        ),
+    grad_fn, state = clipped_grad(
+        loss_fn,
+        argnums=0,
+        clipping_norm=clipping_norm,
+        normalize_by=normalize_by,
         batch_argnums=batch_argnums,
+        microbatch_size=microbatch_size,
+        clip_backend=clip_backend,
+        model=model,
+    )  # validates clipping_norm and normalize_by
+    described = StagePrivacy(
+        "clip", f"clip to {clipping_norm}, divided by {normalize_by:g}", max_norm=clipping_norm / normalize_by
     )
+    return as_stage(grad_fn, state, batch_argnums=batch_argnums, privacy=described)
 
 
-def as_stage(grad_fn: Callable[..., Any], state: Any, *, batch_argnums: int | Sequence[int] = 1) -> Transform:
+def as_stage(
+    grad_fn: Callable[..., Any],
+    state: Any,
+    *,
+    batch_argnums: int | Sequence[int] = 1,
+    privacy: StagePrivacy | None = None,
+) -> Transform:
     """Turns any ``(grad_fn, state)`` pair (``clipped_grad``, ``auto_clipped_grad``,
     ``adaptive_clipped_grad``, made with ``argnums=0`` and without stats/aux) into a stage.
 
+    ``privacy`` describes the stage for ``chain``'s order check and ``privacy_report``
+    (default: a clip stage whose ``max_norm`` is known per step, as for adaptive clipping).
+
     Privacy: that of the wrapped clipping function.
     """
+    if privacy is None:
+        privacy = StagePrivacy("clip", "clipping function (max_norm read from its output each step)")
     positions = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
     if positions != tuple(range(1, len(positions) + 1)):
         raise InputValueError(
@@ -97,4 +110,4 @@ def as_stage(grad_fn: Callable[..., Any], state: Any, *, batch_argnums: int | Se
             )
         return out, new_state
 
-    return Transform(init, update)
+    return Transform(init, update, privacy)
