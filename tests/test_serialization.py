@@ -197,6 +197,10 @@ def test_dtype_and_device_come_from_the_template():
     assert back.mu["w"].dtype == torch.bfloat16 and back.mu["w"].device.type == "meta"
     p = torch.zeros(4, requires_grad=True)
     assert from_state_dict({"p": p}, {"p": torch.ones(4)})["p"].requires_grad
+    module_params = dict(torch.nn.Linear(2, 1).named_parameters())
+    back = from_state_dict(module_params, {"weight": torch.ones(1, 2), "bias": torch.zeros(1, dtype=torch.float64)})
+    assert isinstance(back["weight"], torch.nn.Parameter) and back["bias"].dtype == torch.float32
+    assert back["weight"].tolist() == [[1.0, 1.0]]
 
 
 def test_state_dict_copies_tensors_and_template_is_not_modified():

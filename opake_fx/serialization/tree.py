@@ -302,6 +302,8 @@ def _tensor_value(value: Any, template: torch.Tensor) -> torch.Tensor:
             "(only floating-point precision may change on load)"
         )
     out = value.detach().to(device=template.device, dtype=template.dtype, copy=True)
+    if isinstance(template, torch.nn.Parameter):
+        return torch.nn.Parameter(out, requires_grad=template.requires_grad)
     if template.requires_grad:
         out.requires_grad_(True)
     return out
