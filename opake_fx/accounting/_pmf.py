@@ -32,6 +32,7 @@ _BAND = 1e-3  # an operand's entries below this fraction of its peak are convolv
 LAMBDAS = np.concatenate([2.0 ** (np.arange(-4, 11) / 2.0), -(2.0 ** (np.arange(-4, 11) / 2.0))])
 """Tilts at which log-MGFs are kept for the Chernoff windows (ratio sqrt(2), 0.25 to 32)."""
 _POSITIVE = LAMBDAS > 0
+_NARROW = 4  # an operand this many times narrower than the other's bulk is not split
 _DIRECT = 32  # below this many points in the smaller operand, convolve directly (no FFT)
 _EPS = float(np.finfo(np.float64).eps)
 
@@ -233,11 +234,11 @@ def convolve(a: Pmf, b: Pmf, tail: float = FOLD_TAIL) -> Pmf:
     width = a.size + b.size - 1
     if width > MAX_GRID:
         raise GridTooLarge(width)
-    small = min(a.size, b.size)
-    if small <= _DIRECT:
-        out = np.convolve(a.probs, b.probs) * (1.0 + (small + 2) * _EPS)
+    long, short = (a.probs, b.probs) if a.size >= b.size else (b.probs, a.probs)
+    if short.size <= _DIRECT:
+        out = np.convolve(long, short) * (1.0 + (short.size + 2) * _EPS)
     else:
-        out = _banded_convolution(a.probs, b.probs)
+        out = _banded_convolution(long, short)
     mgf = a.log_mgfs() + b.log_mgfs()
     return _cut(Pmf(a.d, a.lo + b.lo, out, inf, mgf), tail)
 
@@ -292,24 +293,41 @@ def _mgf_table(d: float, block: int) -> np.ndarray:
 
 
 def _banded_convolution(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``np.convolve(a, b)`` by FFT, plus a per-bin rounding bound of each bin's own order."""
+    """``np.convolve(a, b)`` by FFT, plus a per-bin rounding bound of each bin's own order.
+
+    ``a`` is the longer operand. When ``b`` is much narrower than ``a``'s bulk (a late
+    step of a long run), ``b`` is not split: ``bulk_a * b`` only smears the bulk's bound
+    over ``b``'s short width, where ``a`` is still within ~1e-3 of its peak's order.
+    """
     width = a.size + b.size - 1
     a_hi, a_lo, (a0, a1) = _split(a)
-    b_hi, b_lo, (b0, b1) = _split(b)
-    # the bulks: a short convolution on the bulks' own support
-    n_hi = sfft.next_fast_len(a1 - a0 + b1 - b0 - 1, real=True)
-    spectrum = sfft.rfft(a[a0:a1], n_hi) * sfft.rfft(b[b0:b1], n_hi)
-    bulk = sfft.irfft(spectrum, n_hi)[: a1 - a0 + b1 - b0 - 1]
-    bulk = np.maximum(bulk, 0.0) + _floor(spectrum, n_hi)
-    # the rest: small entries times everything, and the bulk of a times the rest of b
     n = sfft.next_fast_len(width, real=True)
-    fa_lo, fb_lo = sfft.rfft(a_lo, n), sfft.rfft(b_lo, n)
-    first = fa_lo * (sfft.rfft(b_hi, n) + fb_lo)
-    second = sfft.rfft(a_hi, n) * fb_lo
-    rest = sfft.irfft(first + second, n)[:width]
-    out = np.maximum(rest, 0.0) + (_floor(first, n) + _floor(second, n))
-    out[a0 + b0 : a0 + b0 + bulk.size] += bulk
+    fa_lo = sfft.rfft(a_lo, n)
+    if b.size * _NARROW <= a1 - a0:
+        bulk = _fft_convolution(a[a0:a1], b)
+        rest_spectrum = fa_lo * sfft.rfft(b, n)
+        bound = _floor(rest_spectrum, n)
+        offset = a0
+    else:
+        b_hi, b_lo, (b0, b1) = _split(b)
+        bulk = _fft_convolution(a[a0:a1], b[b0:b1])
+        fb_lo = sfft.rfft(b_lo, n)
+        first = fa_lo * (sfft.rfft(b_hi, n) + fb_lo)
+        second = sfft.rfft(a_hi, n) * fb_lo
+        rest_spectrum = first + second
+        bound = _floor(first, n) + _floor(second, n)
+        offset = a0 + b0
+    out = np.maximum(sfft.irfft(rest_spectrum, n)[:width], 0.0) + bound
+    out[offset : offset + bulk.size] += bulk
     return out
+
+
+def _fft_convolution(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Full linear convolution by FFT with its rounding bound added to every bin."""
+    width = a.size + b.size - 1
+    n = sfft.next_fast_len(width, real=True)
+    spectrum = sfft.rfft(a, n) * sfft.rfft(b, n)
+    return np.maximum(sfft.irfft(spectrum, n)[:width], 0.0) + _floor(spectrum, n)
 
 
 def _split(p: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:

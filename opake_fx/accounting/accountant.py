@@ -14,8 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from opake_fx._typecheck import typechecked
+from opake_fx.accounting import rdp as _rdp
 from opake_fx.accounting.budgets import Budget, budget_from_dict
+from opake_fx.accounting.incremental import IncrementalPld
+
 # _compose/_repeat: compose/repeat without their signature check; step() runs once per
 # training step and checks its own argument.
 from opake_fx.accounting.process import DpProcess, _compose, _repeat, identity, process_from_dict
@@ -34,6 +39,17 @@ class Accountant:
     :class:`~opake_fx.errors.BudgetExceededError` and leaves the accountant unchanged, so
     the caller must not release that step's output.
 
+    Cost: with a PLD budget the accountant keeps the composed privacy-loss distribution
+    (an :class:`~opake_fx.accounting.IncrementalPld`) and folds each new step in with one
+    convolution, so ``T`` different steps cost ``O(T)`` convolutions, and the check of a
+    step is reused when the step is then taken. Runs of the same step are grouped: from
+    the second consecutive one on, the accountant computes once how many more fit and
+    counts down, and folds the whole run in at once (self-composed by repeated squaring)
+    when a metric is read or a different step comes. The metrics it reports come from
+    that running composition, which is pessimistic and agrees with the one-shot
+    ``spent.epsilon_at`` to ~1e-7 (never a bit-exact copy of it). The RDP curve of the
+    steps is kept too (summed lazily), so both engines can be reported.
+
     Args:
         budget: from :func:`epsilon_budget` or :func:`delta_budget`.
         spent: what was already spent (default: nothing); it must meet the budget.
@@ -47,9 +63,17 @@ class Accountant:
         if not isinstance(spent, DpProcess):
             raise InputTypeError(f"Accountant: spent must be a DpProcess; got {type(spent).__name__}.")
         self._budget = budget
-        self._spent = spent
-        # (process, n): n more runs of `process` fit on top of `spent` (computed once when
-        # the same process is stepped twice in a row, so long runs are checked in O(1))
+        self._counts: dict[DpProcess, int] = {}  # the multiset of single steps spent
+        self._spent: DpProcess | None = spent
+        self._add_counts(spent)
+        # the PLD of everything but the trailing run (PLD budgets only)
+        self._pld = IncrementalPld(budget.discretization).then(spent) if budget.accountant == "pld" else None
+        self._run: tuple[DpProcess, int] | None = None  # trailing identical steps not folded yet
+        self._rdp_sum: np.ndarray | None = None  # RDP of the steps before _rdp_todo
+        self._rdp_todo: list[DpProcess] = [spent]
+        self._probe: tuple[DpProcess, Any, float] | None = None  # (step, composed with it, metric)
+        # (process, n): n more runs of `process` fit (computed once when the same process
+        # is stepped twice in a row, so long runs are checked in O(1))
         self._headroom: tuple[DpProcess, int] | None = None
         self._last: DpProcess | None = None
 
@@ -61,34 +85,46 @@ class Accountant:
     @property
     def spent(self) -> DpProcess:
         """The composition of all steps taken so far."""
+        if self._spent is None:
+            self._spent = _compose(*(_repeat(leaf, k) for leaf, k in self._counts.items()))
         return self._spent
 
     @property
     def budget_exceeded(self) -> bool:
         """True if ``spent`` does not meet the budget (only possible via the constructor)."""
-        return not self._budget.is_met_by(self._spent)
+        return self._budget.measure_profile(self._profile()) > self._budget.value
 
-    def spent_epsilon(self, delta: float) -> float:
-        """Epsilon spent so far at ``delta`` (with the budget's accountant and grid)."""
-        return self._spent.epsilon_at(delta, accountant=self._budget.accountant, discretization=self._budget.discretization)
+    def spent_epsilon(self, delta: float, *, accountant: str | None = None) -> float:
+        """Epsilon spent so far at ``delta``.
 
-    def spent_delta(self, epsilon: float) -> float:
-        """Delta spent so far at ``epsilon`` (with the budget's accountant and grid)."""
-        return self._spent.delta_at(epsilon, accountant=self._budget.accountant, discretization=self._budget.discretization)
+        Args:
+            delta: in (0, 1).
+            accountant: ``None`` (the budget's), ``"pld"`` or ``"rdp"``: both can be
+                reported whatever the budget uses (RDP is the cheap cross-check).
+        """
+        return float(self._profile(accountant).epsilon_at(delta))
+
+    def spent_delta(self, epsilon: float, *, accountant: str | None = None) -> float:
+        """Delta spent so far at ``epsilon`` (``accountant`` as in :meth:`spent_epsilon`)."""
+        return float(self._profile(accountant).delta_at(epsilon))
 
     def would_exceed(self, process: DpProcess) -> bool:
-        """True if taking ``process`` now would exceed the budget (nothing changes)."""
+        """True if taking ``process`` now would exceed the budget (nothing changes).
+
+        The composition with ``process`` is kept, so a :meth:`step` with the same process
+        right after reuses it.
+        """
         process = _checked(process)
         if self._headroom is not None and self._headroom[0] == process:
             return self._headroom[1] < 1
-        return not self._budget.is_met_by(_compose(self._spent, process))
+        return self._try(process)[1] > self._budget.value
 
     def step(self, process: DpProcess) -> None:
         """Records ``process`` as spent.
 
-        The first steps are checked directly; from the second consecutive step of the same
-        process on, the accountant computes once how many more of it fit
-        (:meth:`remaining_steps`) and counts down, so long training runs are cheap.
+        The first steps are checked directly (one convolution each); from the second
+        consecutive step of the same process on, the accountant computes once how many
+        more of it fit (:meth:`remaining_steps`) and counts down.
 
         Raises:
             BudgetExceededError: the step would exceed the budget; nothing is recorded.
@@ -97,22 +133,23 @@ class Accountant:
         if self._headroom is None and process == self._last and process._components():
             self._headroom = (process, self.remaining_steps(process))
         if self._headroom is not None and self._headroom[0] == process:
-            fits = self._headroom[1] >= 1
+            if self._headroom[1] < 1:
+                self._refuse(process, self._try(process)[1])
+            self._headroom = (process, self._headroom[1] - 1)
+            self._materialize(keep=process)
+            self._run = (process, (self._run[1] if self._run else 0) + 1)
         else:
             self._headroom = None
-            fits = self._budget.is_met_by(_compose(self._spent, process))
-        if not fits:
-            after = _compose(self._spent, process)
-            value = self._budget.measure(after)
-            raise BudgetExceededError(
-                f"Accountant: taking {process!r} would spend {self._budget.metric}={value:.6g} > budget "
-                f"{self._budget.value:g}; the step was not recorded. Do not release its output: stop "
-                "training, or add noise / use fewer steps."
-            )
-        self._spent = _compose(self._spent, process)
+            composed, value = self._try(process)
+            if value > self._budget.value:
+                self._refuse(process, value)
+            self._materialize()
+            if self._pld is not None:
+                self._pld = composed
+        self._add_counts(process)
+        self._rdp_todo.append(process)
+        self._probe = None
         self._last = process
-        if self._headroom is not None:
-            self._headroom = (process, self._headroom[1] - 1)
 
     def __ior__(self, process: DpProcess) -> Accountant:
         self.step(process)
@@ -120,12 +157,18 @@ class Accountant:
 
     def __or__(self, process: DpProcess) -> Accountant:
         """A new accountant with ``process`` recorded (this one is unchanged)."""
-        out = Accountant(self._budget, self._spent)
+        out = object.__new__(Accountant)
+        out.__dict__.update(self.__dict__)
+        out._counts = dict(self._counts)
+        out._rdp_todo = list(self._rdp_todo)
         out.step(process)
         return out
 
     def remaining_steps(self, process: DpProcess, *, limit: int = 10**9) -> int:
         """How many more runs of ``process`` fit in the budget (at most ``limit``).
+
+        Each candidate count ``k`` costs one self-composition of ``process`` (repeated
+        squaring) and one convolution with the running composition.
 
         Raises:
             InputValueError: ``process`` spends no privacy (the answer would be unbounded).
@@ -137,7 +180,7 @@ class Accountant:
             )
 
         def fits(k: int) -> bool:
-            return self._budget.is_met_by(_compose(self._spent, _repeat(process, k)))
+            return self._measure_with(_repeat(process, k)) <= self._budget.value
 
         if not fits(1):
             return 0
@@ -153,9 +196,72 @@ class Accountant:
             good, bad = (mid, bad) if fits(mid) else (good, mid)
         return good
 
+    # ------------------------------------------------------------ internals
+
+    def _add_counts(self, process: DpProcess) -> None:
+        for leaf, k in process._components():
+            self._counts[leaf] = self._counts.get(leaf, 0) + k
+        self._spent = None
+
+    def _materialize(self, keep: DpProcess | None = None) -> None:
+        """Folds the trailing run into the running PLD (unless it is a run of ``keep``)."""
+        if self._run is None or self._run[0] == keep:
+            return
+        process, n = self._run
+        self._run = None
+        if self._pld is not None:
+            self._pld = self._pld.then(_repeat(process, n))
+
+    def _rdp_curve(self) -> np.ndarray:
+        done = 0
+        try:
+            for process in self._rdp_todo:
+                curve = process.rdp()  # may raise: no RDP curve for this mechanism
+                self._rdp_sum = curve if self._rdp_sum is None else self._rdp_sum + curve
+                done += 1
+        finally:
+            del self._rdp_todo[:done]
+        return self._rdp_sum if self._rdp_sum is not None else np.zeros(len(_rdp.DEFAULT_RDP_ORDERS))
+
+    def _profile(self, accountant: str | None = None) -> Any:
+        """Everything spent so far, in the requested engine."""
+        engine = self._budget.accountant if accountant is None else accountant
+        if engine == "rdp":
+            return _RdpProfile(self._rdp_curve())
+        if engine != "pld":
+            raise InputValueError(f"Accountant: accountant must be None, 'pld' or 'rdp'; got {accountant!r}.")
+        if self._pld is None:  # an RDP budget asked for the PLD: compose once
+            return self.spent.pld(self._budget.discretization)
+        self._materialize()
+        return self._pld
+
+    def _try(self, process: DpProcess) -> tuple[Any, float]:
+        """The composition with ``process`` and its budgeted metric (kept for the next step)."""
+        if self._probe is None or self._probe[0] != process or self._run is not None:
+            if self._pld is not None:
+                self._materialize()
+                composed: Any = self._pld.then(process)
+            else:
+                composed = _RdpProfile(self._rdp_curve() + process.rdp())
+            self._probe = (process, composed, self._budget.measure_profile(composed))
+        return self._probe[1], self._probe[2]
+
+    def _measure_with(self, process: DpProcess) -> float:
+        if self._pld is not None:
+            self._materialize()
+            return self._budget.measure_profile(self._pld.then(process))
+        return self._budget.measure_profile(_RdpProfile(self._rdp_curve() + process.rdp()))
+
+    def _refuse(self, process: DpProcess, value: float) -> None:
+        raise BudgetExceededError(
+            f"Accountant: taking {process!r} would spend {self._budget.metric}={value:.6g} > budget "
+            f"{self._budget.value:g}; the step was not recorded. Do not release its output: stop "
+            "training, or add noise / use fewer steps."
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """Plain, JSON-able state: ``{"version", "budget", "spent"}``."""
-        return {"version": _STATE_VERSION, "budget": self._budget.to_dict(), "spent": self._spent.to_dict()}
+        return {"version": _STATE_VERSION, "budget": self._budget.to_dict(), "spent": self.spent.to_dict()}
 
     @classmethod
     @typechecked
@@ -168,7 +274,20 @@ class Accountant:
         return cls(budget_from_dict(state["budget"]), process_from_dict(state["spent"]))
 
     def __repr__(self) -> str:
-        return f"Accountant(budget={self._budget!r}, spent={self._spent!r})"
+        return f"Accountant(budget={self._budget!r}, spent={self.spent!r})"
+
+
+class _RdpProfile:
+    """Metrics of an RDP curve on the default orders (the RDP side of the accountant)."""
+
+    def __init__(self, curve: np.ndarray) -> None:
+        self.curve = curve
+
+    def epsilon_at(self, delta: float) -> float:
+        return _rdp.epsilon_from_rdp(_rdp.DEFAULT_RDP_ORDERS, self.curve, delta)
+
+    def delta_at(self, epsilon: float) -> float:
+        return _rdp.delta_from_rdp(_rdp.DEFAULT_RDP_ORDERS, self.curve, epsilon)
 
 
 def _checked(process: object) -> DpProcess:

@@ -45,6 +45,16 @@ class Budget:
         """The budgeted metric of ``process``."""
         raise NotImplementedError
 
+    def measure_profile(self, profile: Any) -> float:
+        """The budgeted metric read off an already composed profile.
+
+        ``profile`` is anything with ``epsilon_at(delta)`` and ``delta_at(epsilon)``
+        (an :class:`~opake_fx.accounting.IncrementalPld`, a ``PrivacyLossDistribution``),
+        which lets the :class:`~opake_fx.accounting.Accountant` reuse its running
+        composition instead of recomposing the whole history.
+        """
+        raise NotImplementedError
+
     def is_met_by(self, process: DpProcess) -> bool:
         """True when ``process`` spends no more than the budget (metric <= value)."""
         if not isinstance(process, DpProcess):
@@ -83,6 +93,9 @@ class EpsilonBudget(Budget):
     def measure(self, process: DpProcess) -> float:
         return process.epsilon_at(self.delta, accountant=self.accountant, discretization=self.discretization)
 
+    def measure_profile(self, profile: Any) -> float:
+        return float(profile.epsilon_at(self.delta))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "type": "epsilon",
@@ -113,6 +126,9 @@ class DeltaBudget(Budget):
 
     def measure(self, process: DpProcess) -> float:
         return process.delta_at(self.epsilon, accountant=self.accountant, discretization=self.discretization)
+
+    def measure_profile(self, profile: Any) -> float:
+        return float(profile.delta_at(self.epsilon))
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 from opake_fx._typecheck import typechecked
@@ -103,9 +104,11 @@ class IncrementalPld:
         relation = _joined_relation(self._relation, process.neighboring_relation)
         remove, add = pmfs_of(components, self._remove.d)
         out = object.__new__(IncrementalPld)
-        mine_add = self._add if self._add is not None else self._remove
-        out._remove = _fold(self._remove, remove)
-        out._add = None if self._add is None and add is None else _fold(mine_add, add if add is not None else remove)
+        if self._add is None and add is None:
+            out._remove, out._add = _fold(self._remove, remove), None
+        else:
+            mine_add = self._add if self._add is not None else self._remove
+            out._remove, out._add = _fold_pairs((self._remove, remove), (mine_add, add if add is not None else remove))
         out._relation = relation
         out._steps = self._steps + 1
         return out
@@ -138,6 +141,27 @@ class IncrementalPld:
     def __repr__(self) -> str:
         sizes = "/".join(str(p.size) for p in (self._remove, self._add) if p is not None)
         return f"IncrementalPld(discretization={self.discretization:g}, folds={self._steps}, points={sizes})"
+
+
+def _fold_pairs(first: tuple[_pmf.Pmf, _pmf.Pmf], second: tuple[_pmf.Pmf, _pmf.Pmf]) -> tuple[_pmf.Pmf, _pmf.Pmf]:
+    """Both pairs' folds; the second in a helper thread (FFTs release the GIL: two cores)."""
+    result: list[Any] = [None]
+
+    def work() -> None:
+        try:
+            result[0] = _fold(*second)
+        except BaseException as exc:  # re-raised in the caller
+            result[0] = exc
+
+    helper = threading.Thread(target=work, daemon=True)
+    helper.start()
+    try:
+        out = _fold(*first)
+    finally:
+        helper.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return out, result[0]
 
 
 def _fold(mine: _pmf.Pmf, other: _pmf.Pmf) -> _pmf.Pmf:

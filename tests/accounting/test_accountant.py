@@ -13,14 +13,24 @@ from opake_fx.errors import BudgetExceededError, InputTypeError, InputValueError
 STEP = dpsgd_acc.poisson(dpsgd_acc.gaussian(1.0), 0.01)
 
 
+def agrees(running: float, one_shot: float) -> bool:
+    """The accountant's running composition vs the one-shot one.
+
+    Both are pessimistic; they differ by where the FFT rounding bounds and the Chernoff
+    cuts (1e-16 mass a step) are paid, which moves epsilon by ~1e-8 relative. 1e-6 is the
+    issue's tolerance; below by more than 1e-9 would mean a lost bound.
+    """
+    return one_shot * (1 - 1e-9) <= running <= one_shot * (1 + 1e-6)
+
+
 def test_steps_accumulate_and_match_the_composed_process():
     acct = acc.Accountant(acc.epsilon_budget(2.0, delta=1e-5))
     for _ in range(10):
         acct.step(STEP)
     acct |= STEP * 90
     assert acct.spent == STEP * 100
-    assert acct.spent_epsilon(1e-5) == (STEP * 100).epsilon_at(1e-5)
-    assert acct.spent_delta(1.0) == (STEP * 100).delta_at(1.0)
+    assert agrees(acct.spent_epsilon(1e-5), (STEP * 100).epsilon_at(1e-5))
+    assert agrees(acct.spent_delta(1.0), (STEP * 100).delta_at(1.0))
     assert not acct.budget_exceeded
 
 
@@ -72,7 +82,7 @@ def test_state_dict_round_trips_through_json():
     back = acc.Accountant.from_state_dict(state)
     assert back.spent == acct.spent
     assert back.budget == acct.budget
-    assert back.spent_epsilon(1e-5) == acct.spent_epsilon(1e-5)
+    assert back.spent_epsilon(1e-5) == pytest.approx(acct.spent_epsilon(1e-5), rel=1e-6)
     with pytest.raises(InputValueError, match="version"):
         acc.Accountant.from_state_dict({"version": 99})
 
@@ -80,7 +90,8 @@ def test_state_dict_round_trips_through_json():
 def test_rdp_budget_accountant():
     acct = acc.Accountant(acc.epsilon_budget(2.0, delta=1e-5, accountant="rdp"))
     acct |= STEP * 100
-    assert acct.spent_epsilon(1e-5) == (STEP * 100).epsilon_at(1e-5, accountant="rdp")
+    assert acct.spent_epsilon(1e-5) == pytest.approx((STEP * 100).epsilon_at(1e-5, accountant="rdp"), rel=1e-12)
+    assert agrees(acct.spent_epsilon(1e-5, accountant="pld"), (STEP * 100).epsilon_at(1e-5))
 
 
 def test_accountant_type_errors():
