@@ -175,7 +175,9 @@ def check_clipping(device: str, report: Report) -> None:
         ref, _ = _run("vmap", batched, fmodel, params, x, y, c)
         got, _ = _run("auto", batched, fmodel, params, x, y, c)
         err = _max_rel(got, ref)
-        report.check(f"clipping float32 {kind} auto vs vmap", err <= 1e-5, f"{err:.1e}")
+        # auto's certified norms include the float32 rounding bound of its weighted sums over
+        # positions (~3e-5 relative on the LM), so its clipped sum is slightly more clipped.
+        report.check(f"clipping float32 {kind} auto vs vmap", err <= 2e-4, f"{err:.1e}")
 
 
 def check_noise(device: str, report: Report) -> None:

@@ -106,7 +106,9 @@ def test_microbatched_equals_unbatched():
     (a, aux_a), _ = full(w, x, y, state=s)
     (b, aux_b), _ = micro(w, x, y, state=s2)
     torch.testing.assert_close(a.pytree, b.pytree, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(aux_a.grad_norms, aux_b.grad_norms)
+    # float32 per-example gradients from batches of 11 and of 4 may differ in the last bits
+    # (different matmul blocking), so their norms agree to float32 precision, not float64's.
+    torch.testing.assert_close(aux_a.grad_norms, aux_b.grad_norms, rtol=1e-6, atol=0)
 
 
 def test_matches_per_example_autograd_loop():
@@ -175,7 +177,9 @@ def test_stats_and_aux_report_clipping():
     (out, aux), _ = g(torch.zeros(2), x, state=s)
     assert isinstance(aux, ClippedGradAux)
     torch.testing.assert_close(aux.grad_norms, torch.tensor([5.0, 0.5, 10.0, 0.0], dtype=torch.float64))
-    torch.testing.assert_close(aux.clipped_grad_norms, torch.tensor([1.0, 0.5, 1.0, 0.0], dtype=torch.float64))
+    # Clipped examples land just below C: the weights leave room for the output's rounding.
+    torch.testing.assert_close(aux.clipped_grad_norms, torch.tensor([1.0, 0.5, 1.0, 0.0], dtype=torch.float64), rtol=1e-6, atol=0)
+    assert bool((aux.clipped_grad_norms <= 1.0).all())
     assert aux.clipping_rate == 0.5 and aux.batch_size == 4
 
 

@@ -9,6 +9,16 @@ nor underflow, the non-finite policy, float32 accumulation and the output wrappe
 Non-finite policy: an example whose gradient contains a NaN or an inf gets weight 0
 (its contribution is exactly zero, so the sensitivity bound still holds) and is
 counted in ``num_nonfinite``; it never propagates into the sum.
+
+Certified norms: every per-example norm that decides a weight is an upper bound of the
+norm of what the weighted sum adds for that example, after rounding (see
+:mod:`._certified`): float64 accumulation, the rounding bounds of Gram products and of
+the weighted sum itself; the weights are then taken from these norms times ``1 + 4u``
+(the casts and products between a weight and the output). So each example's
+contribution is at most ``C`` as computed in floating point, on every backend, whatever
+the inputs. The reported ``grad_norms`` are the certified norms (above the exact norms
+by a relative ~1e-15 in float64; in float32, up to ~1e-4 on long sequences through the
+ghost norms, whose weighted sum rounds over positions).
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
+from opake_fx.dpsgd.clipping import _certified as cert
 from opake_fx.dpsgd.clipping._compat import checkpoint_passthrough
 from opake_fx.dpsgd.clipping.types import ClippedGradAux, ClippingStats
 from opake_fx.errors import InputTypeError, InputValueError
@@ -197,6 +208,8 @@ def clipped_step(
     )
     batch = batch_size_of(args, cfg)
     out_dtypes = [cfg.dtype or _accumulation_dtype(leaf.dtype) for leaf in diff_leaves]
+    # Roundings between a weight and the output, in the least precise dtype they happen in.
+    output_factor = max((cert.output_factor(dt) for dt in out_dtypes), default=1.0)
     # Accumulators are created by the first microbatch (no zero-fill pass over large tables).
     sums: list[torch.Tensor | None] = [None] * len(diff_leaves)
     prescaled = False  # norm-based backends fold 1 / normalize_by into the weights
@@ -211,7 +224,7 @@ def clipped_step(
             norms = group_norms(per_ex.grad_leaves, leaf_group, len(group_names))
         finite = torch.isfinite(norms).all(dim=0)
         none_bad = bool(finite.all())  # one host sync; the common case skips the masking
-        weights = weight_fn(norms, bounds.to(norms.device))
+        weights = weight_fn(norms * output_factor, bounds.to(norms.device))
         if not none_bad:
             weights = torch.where(finite.unsqueeze(0), weights, torch.zeros_like(weights))
         if isinstance(per_ex, PerExampleNorms):
@@ -301,13 +314,17 @@ def package(result: StepResult, cfg: ClipConfig, clipping_norm: float | PerGroup
 
 
 def group_norms(grad_leaves: list[torch.Tensor], leaf_group: list[int], num_groups: int) -> Norms:
-    """Per-example, per-group L2 norms ``[G, B]`` in float64, safe from over/underflow."""
+    """Per-example, per-group L2 norms ``[G, B]`` in float64, safe from over/underflow, each
+    an upper bound of the exact norm of the stored gradients (float64 sums, whose rounding
+    is covered by a ``1 + gamma`` factor)."""
     if not grad_leaves:
         raise InputValueError("nothing to differentiate: the differentiated arguments have no tensor leaves.")
     batch = grad_leaves[0].shape[0]
     leaf_norms = torch.stack([safe_norm(g.reshape(batch, -1), dim=1) for g in grad_leaves])  # [L, B]
     group_of = torch.tensor(leaf_group, device=leaf_norms.device)
-    return torch.stack([safe_norm(leaf_norms[group_of == g], dim=0) for g in range(num_groups)])
+    norms = torch.stack([safe_norm(leaf_norms[group_of == g], dim=0) for g in range(num_groups)])
+    longest = max(g[0].numel() if batch else 0 for g in grad_leaves) + len(grad_leaves)
+    return norms * (1.0 + cert.gamma(longest + 4, torch.float64))
 
 
 def batch_size_of(args: tuple[Any, ...], cfg: ClipConfig) -> int:
@@ -345,11 +362,12 @@ def _norms_from_squares(sq_norms: torch.Tensor, leaf_group: list[int], num_group
     """Per-group norms ``[G, B]`` from per-leaf squared norms ``[L, B]`` (float64)."""
     if sq_norms.shape[0] == 0:
         raise InputValueError("nothing to differentiate: the differentiated arguments have no tensor leaves.")
+    slack = 1.0 + cert.gamma(sq_norms.shape[0] + 4, torch.float64)  # the float64 sum over leaves, the sqrt
     if num_groups == 1:
-        return sq_norms.to(torch.float64).sum(dim=0, keepdim=True).sqrt()
+        return sq_norms.to(torch.float64).sum(dim=0, keepdim=True).sqrt() * slack
     index = torch.tensor(leaf_group, dtype=torch.long, device=sq_norms.device)
     sq = torch.zeros((num_groups, sq_norms.shape[1]), dtype=torch.float64, device=sq_norms.device)
-    return sq.index_add_(0, index, sq_norms.to(torch.float64)).sqrt()
+    return sq.index_add_(0, index, sq_norms.to(torch.float64)).sqrt() * slack
 
 
 def _as_index_tuple(v: int | Sequence[int], name: str) -> tuple[int, ...]:

@@ -116,7 +116,7 @@ class _NormBackend:
         combined: dict[int, Any] = {}
         for i in sorted(capture.multi):
             parts = [(rules[id(u)], n) for u, n in capture.uses_of(i) if rules.get(id(u)) is not None]
-            rule = L.sum_of_uses(parts) if parts else None
+            rule = L.sum_of_uses(parts, L.compute_dtype(leaves[i].dtype)) if parts else None
             if rule is not None:
                 combined[i] = rule
         per_ex: dict[int, torch.Tensor] = {}
@@ -151,14 +151,6 @@ class _NormBackend:
             else:  # unused by the loss: zero gradient
                 rows.append(torch.zeros(batch, dtype=torch.float64, device=leaf.device))
         sq = torch.stack(rows) if rows else torch.zeros((0, batch), dtype=torch.float64, device=leaves[0].device if leaves else None)
-        if not bool(torch.isfinite(sq).all()):
-            # Norms are taken in the parameters' precision; redo non-finite ones in float64 so
-            # that a huge but finite gradient is clipped rather than treated as non-finite.
-            for i in torch.nonzero(~torch.isfinite(sq).all(dim=1)).flatten().tolist():
-                if i in per_ex:
-                    sq[i] = L.sq_norms_of(per_ex[i], precise=True)
-                elif i in single:
-                    sq[i] = single[i][0].sq_norm_precise(single[i][1])
         shapes = [(leaf.shape, L.compute_dtype(leaf.dtype), leaf.device) for leaf in leaves]
 
         def weighted_sum(leaf_weights: torch.Tensor, keep: torch.Tensor | None) -> list[torch.Tensor]:

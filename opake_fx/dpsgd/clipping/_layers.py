@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opake_fx.dpsgd.clipping import _certified as cert
 from opake_fx.dpsgd.clipping._compat import checkpoint_passthrough
 
 Method = Literal["ghost", "pe"]
@@ -59,12 +60,15 @@ class PerExampleGrad:
 
     def __init__(self, grads: dict[str, torch.Tensor]) -> None:
         self.grads = grads
+        self._sq: dict[str, torch.Tensor] = {}
 
     def sq_norm(self, name: str) -> torch.Tensor:
-        return sq_norms_of(self.grads[name])
+        if name not in self._sq:
+            self._sq[name] = sq_norms_of(self.grads[name])
+        return self._sq[name]
 
-    def sq_norm_precise(self, name: str) -> torch.Tensor:
-        return sq_norms_of(self.grads[name], precise=True)
+    def certified(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sq_norm(name), torch.zeros_like(self.sq_norm(name))
 
     def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         return weighted_sum_of(self.grads[name], w, keep)
@@ -108,15 +112,22 @@ class MatmulGrad:
         self._g2: torch.Tensor | None = None
         self._bias_pe: torch.Tensor | None = None
         self._bias_sq: torch.Tensor | None = None
+        # Certified squared norm of the exact per-example weight gradient of the stored a and g;
+        # the rounding bound of this rule's weighted sum (ghost method, T > 1); the squared
+        # norm that decides the weight, (sqrt(exact) + rounding)^2; and sum_t |a_t| |g_t|.
+        self._exact_sq: torch.Tensor | None = None
+        self._ws_err: torch.Tensor | None = None
         self._sq: torch.Tensor | None = None
+        self._abs: torch.Tensor | None = None
         if self.t == 1 and self.groups == 1:
             self._g2 = g.reshape(self.batch, self.d_out)
-            ng = row_norms(self._g2, precise=True)  # small [B, d] rows: float64 costs nothing here
+            sq_g = sq_norms_of(self._g2)  # small [B, d] rows: float64 costs nothing here
             if bias_shape is not None:
-                self._bias_pe, self._bias_sq = self._g2.reshape(self.batch, *bias_shape), ng.square()
-            if weight_shape is not None:  # ||g a^T|| = ||a|| ||g||, exact and overflow-free in float64
+                self._bias_pe, self._bias_sq = self._g2.reshape(self.batch, *bias_shape), sq_g
+            if weight_shape is not None:  # ||g a^T|| = ||a|| ||g||
                 self._a2 = _as_dtype(patches(0, self.batch).reshape(self.batch, d_in), dtype)
-                self._sq = (row_norms(self._a2, precise=True) * ng).square()
+                self._sq = sq_norms_of(self._a2) * sq_g * (1.0 + cert.gamma(2, torch.float64))
+                self._abs = self._sq.sqrt()
             return
         if bias_shape is not None:
             self._bias_pe = g.sum(dim=2).reshape(self.batch, *bias_shape)
@@ -126,9 +137,15 @@ class MatmulGrad:
             self._pe, self._sq = self._weight_per_example(patches, g)
         else:
             self.patches, self.g = patches, g
-            self._sq = torch.zeros(self.batch, dtype=torch.float64, device=g.device)
-            for lo, hi in self._chunks(self.groups * self.t * max(self.t, d_in)):
-                self._sq[lo:hi] = _ghost_sq_norms(_as_dtype(patches(lo, hi), dtype), g[lo:hi])
+            exact = torch.zeros(self.batch, dtype=torch.float64, device=g.device)
+            self._abs = torch.zeros(self.batch, dtype=torch.float64, device=g.device)
+            for lo, hi in self._chunks(self.groups * self.t * max(self.t, d_in, self.d_out)):
+                exact[lo:hi], self._abs[lo:hi] = cert.gram_sq_norms(_as_dtype(patches(lo, hi), dtype), g[lo:hi])
+            # The weighted sum adds sum_t w g_t a_t^T in `dtype`: its rounding, up to
+            # gamma_{T+2} sum_t |g_t| |a_t|, is part of what this example contributes.
+            self._exact_sq = exact
+            self._ws_err = self._abs * cert.matmul_rounding(self.t, dtype)
+            self._sq = (exact.sqrt() + self._ws_err).square()
 
     def sq_norm(self, name: str) -> torch.Tensor:
         if self._role(name) == "bias":
@@ -138,15 +155,12 @@ class MatmulGrad:
         assert self._sq is not None
         return self._sq
 
-    def sq_norm_precise(self, name: str) -> torch.Tensor:
-        if self._role(name) == "bias":
-            return sq_norms_of(self._bias_pe, precise=True)
-        if self._pe is not None:
-            return sq_norms_of(self._pe, precise=True)
-        if self._a2 is not None and self._g2 is not None:
-            return (row_norms(self._a2, precise=True) * row_norms(self._g2, precise=True)).square()
-        assert self._sq is not None
-        return self._sq  # Gram norms guard their own overflow
+    def certified(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(certified squared norm of the exact gradient, rounding bound of the weighted sum)."""
+        if self._role(name) == "bias" or self._exact_sq is None or self._ws_err is None:
+            sq = self.sq_norm(name)
+            return sq, torch.zeros_like(sq)
+        return self._exact_sq, self._ws_err
 
     def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         if self._role(name) == "bias":
@@ -249,15 +263,17 @@ class EmbeddingGrad:
         self.ids = uniq % vocab
         self.owner = uniq // vocab
         self.batch, self.shape, self.dtype = batch, (vocab, dim), dtype
-        row_sq = row_norms(self.rows).square()
-        self._sq = torch.zeros(batch, dtype=torch.float64, device=g.device).index_add_(0, self.owner, row_sq)
+        # The rows as stored are what the weighted sum scales and adds (one row per example
+        # and id), so their float64 norms certify the contribution.
+        row_sq = sq_norms_of(self.rows)
+        sums = torch.zeros(batch, dtype=torch.float64, device=g.device).index_add_(0, self.owner, row_sq)
+        self._sq = sums * (1.0 + cert.gamma(self.rows.shape[0] + 2, torch.float64))
 
     def sq_norm(self, name: str) -> torch.Tensor:
         return self._sq
 
-    def sq_norm_precise(self, name: str) -> torch.Tensor:
-        row_sq = row_norms(self.rows, precise=True).square()
-        return torch.zeros(self.batch, dtype=torch.float64, device=self.rows.device).index_add_(0, self.owner, row_sq)
+    def certified(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._sq, torch.zeros_like(self._sq)
 
     def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         coeff = _as_dtype(w, self.dtype)[self.owner].unsqueeze(1)
@@ -286,8 +302,8 @@ class _Rearranged:
     def sq_norm(self, name: str) -> torch.Tensor:
         return self.rule.sq_norm(name)
 
-    def sq_norm_precise(self, name: str) -> torch.Tensor:
-        return self.rule.sq_norm_precise(name)
+    def certified(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rule.certified(name)
 
 
 class BlockRows(_Rearranged):
@@ -319,15 +335,17 @@ class SumOfUses:
     <P_k, P_l>``, the cross terms from the calls' stored inputs and output gradients
     (:func:`sum_of_uses`); the weighted sum is the sum of the calls' weighted sums."""
 
-    def __init__(self, parts: list[tuple[Any, str]], sq: torch.Tensor, cross: Callable[[bool], torch.Tensor]) -> None:
-        self.parts, self._sq, self._cross = parts, sq, cross
+    def __init__(self, parts: list[tuple[Any, str]], exact_sq: torch.Tensor, ws_err: torch.Tensor,
+                 dtype: torch.dtype) -> None:
+        self.parts, self._exact_sq, self._ws_err = parts, exact_sq, ws_err
+        # The parts' weighted sums are added in `dtype`: one more rounding each.
+        self._sq = ((exact_sq.sqrt() + ws_err) * (1.0 + cert.gamma(len(parts) + 1, dtype))).square()
 
     def sq_norm(self, name: str) -> torch.Tensor:
         return self._sq
 
-    def sq_norm_precise(self, name: str) -> torch.Tensor:
-        own = sum(rule.sq_norm_precise(n) for rule, n in self.parts)
-        return (own + 2 * self._cross(True)).clamp_min(0.0)
+    def certified(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._exact_sq, self._ws_err
 
     def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         total = None
@@ -341,11 +359,13 @@ class SumOfUses:
         return sum(pe[1:], pe[0])
 
 
-def sum_of_uses(parts: list[tuple[Any, str]]) -> SumOfUses | None:
+def sum_of_uses(parts: list[tuple[Any, str]], dtype: torch.dtype) -> SumOfUses | None:
     """The rule of a parameter from the rules of its calls, or None where a cross term has no
     formula here (the caller then sums per-example gradients).
 
-    Cross terms ``<P_k, P_l>_i`` per example, all exact:
+    Cross terms ``<P_k, P_l>_i`` per example, all exact up to a certified rounding bound
+    (evaluated in float64; the bound is ``c * S_k * S_l`` with ``S`` the sum of absolute
+    terms of each form, see :func:`_cross_term`):
 
     * two Linear calls of the same weight (inputs ``a``, ``a'``, output gradients ``g``, ``g'``):
       ``sum_{t,s} (a_t . a'_s)(g_t . g'_s)``, a cross Gram product (Li et al.'s ghost norm
@@ -355,28 +375,32 @@ def sum_of_uses(parts: list[tuple[Any, str]]) -> SumOfUses | None:
     * the same table looked up twice: ``sum_{s,t} [v_s = v'_t] (e_s . e'_t)``;
     * calls with small per-example gradients at hand (norm layers, biases, per-example
       Linear weights): their inner product.
+
+    The squared norm is capped at ``(sum_k ||P_k||)^2`` (triangle inequality) and never
+    negative; ``dtype`` is the one the weighted sums are added in.
     """
     forms = [_cross_form(rule, name) for rule, name in parts]
     if any(f is None for f in forms):
         return None
-    pairs = [(forms[k], forms[l]) for k in range(len(forms)) for l in range(k + 1, len(forms))]
-    own = sum(rule.sq_norm(n) for rule, n in parts)
-
-    def cross(precise: bool) -> torch.Tensor:
-        total = torch.zeros_like(own)
-        for f, h in pairs:
-            if f[0] == "block" or h[0] == "block":
-                if f[0] == h[0] == "block" and (f[2] <= h[1] or h[2] <= f[1]):
-                    continue  # disjoint rows: orthogonal
-                raise _NoCrossFormula
-            total += _cross_term(f, h, precise)
-        return total
-
+    certified = [rule.certified(n) for rule, n in parts]
+    own = sum(c[0] for c in certified)
+    total_err = sum(c[1] for c in certified)
     try:
-        c = cross(False)
+        cross = torch.zeros_like(own)
+        for k in range(len(forms)):
+            for l in range(k + 1, len(forms)):
+                f, h = forms[k], forms[l]
+                if f[0] == "block" or h[0] == "block":
+                    if f[0] == h[0] == "block" and (f[2] <= h[1] or h[2] <= f[1]):
+                        continue  # disjoint rows: orthogonal
+                    raise _NoCrossFormula
+                value, bound = _cross_term(f, h)
+                cross += value + bound  # |computed - exact| <= bound: the upper end of the interval
     except _NoCrossFormula:
         return None
-    return SumOfUses(parts, (own + 2 * c).clamp_min(0.0), cross)
+    triangle = sum(c[0].sqrt() for c in certified).square()
+    exact_sq = torch.minimum((own + 2 * cross).clamp_min(0.0), triangle)
+    return SumOfUses(parts, exact_sq, total_err, dtype)
 
 
 class _NoCrossFormula(Exception):
@@ -384,38 +408,54 @@ class _NoCrossFormula(Exception):
 
 
 def _cross_form(rule: Any, name: str) -> tuple[Any, ...] | None:
-    """What a call offers for cross terms: ("pe", [B, ...]), ("linear", a(lo, hi) [b, T, d_in],
-    g [B, T, d_out], weight shape), or ("tokens", ids [B, T], e [B, T, D])."""
+    """What a call offers for cross terms, with ``s`` [B], an upper bound of the sum of
+    absolute terms behind the call's gradient: ("pe", [B, ...], s = norm), ("linear",
+    a(lo, hi) [b, T, d_in], g [B, T, d_out], weight shape, s = sum_t |a_t| |g_t|), or
+    ("tokens", ids [B, T], e [B, T, D], s = sum_t |e_t|)."""
     if isinstance(rule, BlockRows):
         return ("block", rule.lo, rule.hi)
     if isinstance(rule, PerExampleGrad):
-        return ("pe", rule.per_example(name))
+        return ("pe", rule.per_example(name), rule.sq_norm(name).sqrt())
     if isinstance(rule, EmbeddingGrad):
-        return None if rule.tokens is None else ("tokens", *rule.tokens)
+        if rule.tokens is None:
+            return None
+        ids, e = rule.tokens
+        s = torch.linalg.vector_norm(e.to(torch.float64), dim=2).sum(dim=1) * (1.0 + cert.gamma(e.shape[1] + e.shape[2] + 4, torch.float64))
+        return ("tokens", ids, e, s)
     if isinstance(rule, MatmulGrad):
         if rule._role(name) == "bias" or rule._pe is not None:
-            return ("pe", rule.per_example(name))
+            return ("pe", rule.per_example(name), rule.sq_norm(name).sqrt())
         if rule._a2 is not None and rule._g2 is not None:
             a2, g2 = rule._a2, rule._g2
-            return ("linear", lambda lo, hi: a2[lo:hi].unsqueeze(1), g2.unsqueeze(1), rule.weight_shape)
+            return ("linear", lambda lo, hi: a2[lo:hi].unsqueeze(1), g2.unsqueeze(1), rule.weight_shape, rule._abs)
         if rule.patches is not None and rule.g is not None and rule.groups == 1:
             patches, g = rule.patches, rule.g
-            return ("linear", lambda lo, hi: patches(lo, hi)[:, 0], g[:, 0], rule.weight_shape)
+            return ("linear", lambda lo, hi: patches(lo, hi)[:, 0], g[:, 0], rule.weight_shape, rule._abs)
     return None  # e.g. a transposed weight: no formula here
 
 
-def _cross_term(f: tuple[Any, ...], h: tuple[Any, ...], precise: bool) -> torch.Tensor:
+def _cross_term(f: tuple[Any, ...], h: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(<P_f, P_h>`` per example evaluated in float64, a bound on its rounding error``)``.
+
+    Each form's terms are bounded by its ``s`` (last item): e.g. for two Linear calls the
+    computed ``sum_ts (a_t . a'_s)(g_t . g'_s)`` is off by at most ``(gamma_{d_in} +
+    gamma_{d_out} + gamma_{T T'}) s s'``, since ``sum_ts |a_t||a'_s||g_t||g'_s| = s s'``.
+    """
     if f[0] == "tokens" and h[0] != "tokens":
         f, h = h, f
     if f[0] == "linear" and h[0] == "pe":
+        f, h = h, f
+    if f[0] == "pe" and h[0] == "linear":
         raise _NoCrossFormula  # (a per-example weight against ghost operands: no formula here)
-    cast = (lambda x: x.double()) if precise else (lambda x: x)
+    f64 = torch.float64
     kind = (f[0], h[0])
+    s_f, s_h = f[-1], h[-1]
     if kind == ("pe", "pe"):
         a, b = f[1], h[1]
-        return (cast(a).reshape(a.shape[0], -1) * cast(b).reshape(b.shape[0], -1)).sum(1).double()
+        a, b = a.reshape(a.shape[0], -1).to(f64), b.reshape(b.shape[0], -1).to(f64)
+        return torch.linalg.vecdot(a, b), cert.gamma(a.shape[1] + 2, f64) * s_f * s_h
     if kind == ("linear", "linear"):
-        (_, a1, g1, shape1), (_, a2, g2, shape2) = f, h
+        (_, a1, g1, shape1, _), (_, a2, g2, shape2, _) = f, h
         if shape1 != shape2:
             raise _NoCrossFormula
         out = []
@@ -423,12 +463,13 @@ def _cross_term(f: tuple[Any, ...], h: tuple[Any, ...], precise: bool) -> torch.
         step = max(1, _CHUNK_ELEMS // max(1, t1 * t2))
         for lo in range(0, batch, step):
             hi = min(lo + step, batch)
-            aa = torch.bmm(cast(a1(lo, hi)), cast(a2(lo, hi)).transpose(1, 2))
-            gg = torch.bmm(cast(g1[lo:hi]), cast(g2[lo:hi]).transpose(1, 2))
-            out.append(torch.linalg.vecdot(aa.flatten(1), gg.flatten(1)).double())
-        return torch.cat(out)
+            aa = torch.bmm(a1(lo, hi).to(f64), a2(lo, hi).to(f64).transpose(1, 2))
+            gg = torch.bmm(g1[lo:hi].to(f64), g2[lo:hi].to(f64).transpose(1, 2))
+            out.append(torch.linalg.vecdot(aa.flatten(1), gg.flatten(1)))
+        c = cert.gamma(shape1[1] + 2, f64) + cert.gamma(shape1[0] + 2, f64) + cert.gamma(t1 * t2 + 2, f64)
+        return torch.cat(out), 1.01 * c * s_f * s_h
     if kind == ("linear", "tokens"):
-        (_, a_of, g, shape), (_, ids, e) = f, h
+        (_, a_of, g, shape, _), (_, ids, e, _) = f, h
         if tuple(shape) != (g.shape[-1], e.shape[-1]):
             raise _NoCrossFormula
         out = []
@@ -436,20 +477,25 @@ def _cross_term(f: tuple[Any, ...], h: tuple[Any, ...], precise: bool) -> torch.
         step = max(1, _CHUNK_ELEMS // max(1, th * max(te, e.shape[-1])))
         for lo in range(0, batch, step):
             hi = min(lo + step, batch)
-            dots = torch.bmm(cast(e[lo:hi]), cast(a_of(lo, hi)).transpose(1, 2))  # [b, Te, Th]: e_s . a_t
+            dots = torch.bmm(e[lo:hi].to(f64), a_of(lo, hi).to(f64).transpose(1, 2))  # [b, Te, Th]: e_s . a_t
             picked = torch.gather(g[lo:hi], 2, ids[lo:hi].unsqueeze(1).expand(-1, th, -1))  # [b, Th, Te]: g_t[v_s]
-            out.append((dots * cast(picked).transpose(1, 2)).flatten(1).sum(1).double())
-        return torch.cat(out)
+            out.append((dots * picked.to(f64).transpose(1, 2)).flatten(1).sum(1))
+        # sum_{s,t} |g_t[v_s]| |e_s| |a_t| <= (sum_t |g_t| |a_t|) (sum_s |e_s|)
+        c = cert.gamma(e.shape[-1] + 2, f64) + cert.gamma(th * te + 2, f64)
+        return torch.cat(out), 1.01 * c * s_f * s_h
     if kind == ("pe", "tokens"):  # a tied output layer with per-example weight gradients [B, V, D]
-        (_, pe), (_, ids, e) = f, h
+        (_, pe, _), (_, ids, e, _) = f, h
         if pe.dim() != 3 or pe.shape[-1] != e.shape[-1]:
             raise _NoCrossFormula
         rows = torch.gather(pe, 1, ids.unsqueeze(-1).expand(-1, -1, pe.shape[-1]))  # [B, Te, D]: pe_i[v_s]
-        return (cast(rows) * cast(e)).flatten(1).sum(1).double()
+        # sum_s |pe[v_s]| |e_s| <= ||pe|| sum_s |e_s|
+        return (rows.to(f64) * e.to(f64)).flatten(1).sum(1), cert.gamma(e.shape[1] * e.shape[2] + 2, f64) * s_f * s_h
     if kind == ("tokens", "tokens"):
-        (_, ids1, e1), (_, ids2, e2) = f, h
-        same = (ids1.unsqueeze(2) == ids2.unsqueeze(1)).to(e1.dtype if not precise else torch.float64)
-        return (torch.bmm(cast(e1), cast(e2).transpose(1, 2)) * same).flatten(1).sum(1).double()
+        (_, ids1, e1, _), (_, ids2, e2, _) = f, h
+        same = (ids1.unsqueeze(2) == ids2.unsqueeze(1)).to(f64)
+        value = (torch.bmm(e1.to(f64), e2.to(f64).transpose(1, 2)) * same).flatten(1).sum(1)
+        c = cert.gamma(e1.shape[-1] + 2, f64) + cert.gamma(e1.shape[1] * e2.shape[1] + 2, f64)
+        return value, 1.01 * c * s_f * s_h
     raise _NoCrossFormula
 
 
@@ -637,22 +683,10 @@ def choose_method(mode: str, t: int, d_in: int, d_out: int) -> Method:
 # --- small tensor helpers -----------------------------------------------------------
 
 
-def sq_norms_of(pe: torch.Tensor, precise: bool = False) -> torch.Tensor:
-    """Squared L2 norm of each row of ``[B, ...]``, returned in float64."""
-    return row_norms(pe.reshape(pe.shape[0], -1), precise).square()
-
-
-def row_norms(x: torch.Tensor, precise: bool = False) -> torch.Tensor:
-    """L2 norm of each row of ``[B, n]``, returned in float64.
-
-    Computed in ``x``'s dtype (a float32 sum of squares overflows only for norms above
-    ~1.8e19); ``precise=True`` computes in float64. The backend recomputes precisely the
-    rows whose norm came out non-finite, so huge but finite gradients are clipped, not
-    mistaken for non-finite ones.
-    """
-    if precise:
-        return torch.linalg.vector_norm(x, dim=1, dtype=torch.float64)
-    return torch.linalg.vector_norm(x, dim=1).to(torch.float64)
+def sq_norms_of(pe: torch.Tensor) -> torch.Tensor:
+    """Certified squared L2 norm of each row of ``[B, ...]`` as stored, float64 ``[B]``
+    (:func:`opake_fx.dpsgd.clipping._certified.sq_norms`)."""
+    return cert.sq_norms(pe)
 
 
 def weighted_sum_of(pe: torch.Tensor, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -683,30 +717,3 @@ def _as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _zero_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def _ghost_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``sum_groups sum_{t,s} (a_t . a_s)(g_t . g_s)`` per example, float64; overflow-safe."""
-    if a.shape[2] == 1:  # T = 1: ||g a^T||^2 = ||a||^2 ||g||^2, exact in float64
-        na = row_norms(a.reshape(a.shape[0] * a.shape[1], -1)).view(a.shape[0], a.shape[1])
-        ng = row_norms(g.reshape(g.shape[0] * g.shape[1], -1)).view(g.shape[0], g.shape[1])
-        return (na * ng).square().sum(dim=1)
-    out = _gram_product(a, g).to(torch.float64)
-    if bool(torch.isfinite(out).all()):
-        return out
-    bad = ~torch.isfinite(out) & torch.isfinite(a).flatten(1).all(1) & torch.isfinite(g).flatten(1).all(1)
-    if bool(bad.any()):
-        # Finite inputs whose Gram products overflow: rescale each example by its max.
-        sa = a.abs().flatten(1).amax(1).clamp_min(torch.finfo(a.dtype).tiny)
-        sg = g.abs().flatten(1).amax(1).clamp_min(torch.finfo(g.dtype).tiny)
-        scaled = _gram_product(a / sa.view(-1, 1, 1, 1), g / sg.view(-1, 1, 1, 1)).to(torch.float64)
-        out = torch.where(bad, scaled * (sa.double() * sg.double()).square(), out)
-    return out
-
-
-def _gram_product(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    b, groups, t = a.shape[0], a.shape[1], a.shape[2]
-    a3, g3 = a.reshape(b * groups, t, -1), g.reshape(b * groups, t, -1)
-    aa = torch.bmm(a3, a3.transpose(1, 2))  # [b * groups, T, T]
-    gg = torch.bmm(g3, g3.transpose(1, 2))
-    return torch.linalg.vecdot(aa.view(b, -1), gg.view(b, -1))

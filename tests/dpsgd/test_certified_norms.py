@@ -1,0 +1,226 @@
+"""Clip bounds that hold against adversarial inputs, as computed in floating point.
+
+An attacker who controls a training example can choose activations whose per-position
+terms cancel: nearly identical rows of a long sequence with output gradients of
+alternating sign. Gram-product norms evaluated in float32 then come out far too small
+(or negative: a NaN norm), the example is scaled down too little, and its contribution
+exceeds C. These tests craft such examples (and huge and tiny scales) for every layer
+rule and check, on every backend, that the clipped sum of a batch holding only that
+example has norm at most C, in float32 and in bfloat16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+from torch import nn
+
+from opake_fx.dpsgd.clipping import _certified as cert
+from opake_fx.dpsgd.clipping import clipped_grad
+from opake_fx.functional import make_functional
+
+BACKENDS = ["vmap", "ghost", "auto"]
+
+
+def exact_sq_norm(a: torch.Tensor, g: torch.Tensor) -> float:
+    """``||g^T a||_F^2`` for one example ``a [T, d_in]``, ``g [T, d_out]``, exactly (fractions)."""
+    from fractions import Fraction
+
+    a_f = [[Fraction(float(v)) for v in row] for row in a.double().tolist()]
+    g_f = [[Fraction(float(v)) for v in row] for row in g.double().tolist()]
+    total = Fraction(0)
+    for o in range(len(g_f[0])):
+        for i in range(len(a_f[0])):
+            entry = sum((g_f[t][o] * a_f[t][i] for t in range(len(a_f))), Fraction(0))
+            total += entry * entry
+    return float(total)
+
+
+def cancelling(t: int, d: int, scale: float, spread: float, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` rows equal to one base row up to a relative ``spread``: what alternating output
+    gradients nearly cancel."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(1, d, generator=gen, dtype=torch.float64)
+    rows = base + spread * torch.randn(t, d, generator=gen, dtype=torch.float64)
+    return (scale * rows).to(dtype)
+
+
+def alternating(t: int, d: int, scale: float, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed + 1)
+    v = torch.randn(1, d, generator=gen, dtype=torch.float64)
+    signs = torch.tensor([(-1.0) ** k for k in range(t)], dtype=torch.float64).unsqueeze(1)
+    return (scale * signs * v).to(dtype)
+
+
+# --- the certified Gram norm itself ---------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    t=st.sampled_from([2, 4, 16, 64]),
+    d=st.sampled_from([3, 64, 512]),
+    spread=st.sampled_from([0.0, 1e-7, 1e-4, 1e-2, 1.0]),
+    scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e15, 1e30]),
+    seed=st.integers(0, 2**16),
+)
+def test_gram_norm_is_an_upper_bound_of_the_exact_norm(t, d, spread, scale, seed):
+    a = cancelling(t, d, scale, spread, seed, torch.float32)
+    g = alternating(t, 5, 1.0, seed, torch.float32)
+    sq, s = cert.gram_sq_norms(a[None, None], g[None, None])
+    if d <= 64:  # exact rational arithmetic is affordable here
+        assert float(sq[0]) >= exact_sq_norm(a, g)
+    # always: never NaN, never negative, never above the triangle bound
+    assert math.isfinite(float(sq[0])) and 0.0 <= float(sq[0]) <= float(s[0]) ** 2 * (1 + 1e-12)
+
+
+def test_gram_norm_exact_on_cancellation_where_float32_grams_fail():
+    # 64 equal rows, alternating output gradients: the exact gradient is zero up to the spread.
+    a = cancelling(64, 64, 1.0, 1e-6, 3, torch.float32)
+    g = alternating(64, 5, 1.0, 3, torch.float32)
+    exact = exact_sq_norm(a, g)
+    naive = float(torch.linalg.vecdot((a @ a.T).flatten(), (g @ g.T).flatten()))
+    sq, s = cert.gram_sq_norms(a[None, None], g[None, None])
+    assert abs(naive - exact) > 10 * exact  # float32 Grams are useless here...
+    # ...the certified norm is above the exact one, by no more than its rounding bound
+    assert exact <= float(sq[0]) <= exact + 1e-12 * float(s[0]) ** 2
+
+
+def test_sq_norms_upper_bound_in_float64_and_rescued_overflow():
+    x = torch.tensor([[1e200, 1e200], [3.0, 4.0], [float("nan"), 1.0]], dtype=torch.float64)
+    sq = cert.sq_norms(x)
+    assert math.isinf(float(sq[0]))  # the square of a norm above 1.3e154: inf, never a wrong finite value
+    assert float(sq[1]) >= 25.0 and float(sq[1]) <= 25.0 * (1 + 1e-14)
+    assert math.isnan(float(sq[2]))
+    y = torch.tensor([[1e150, 1e150]], dtype=torch.float64)
+    assert float(cert.sq_norms(y)[0]) >= 2e300
+
+
+# --- end to end: every backend, crafted examples --------------------------------------
+
+
+def _contribution(backend, model, loss_fn, x, y, c):
+    fmodel, params = make_functional(model)
+    if backend == "vmap":
+        per_example = lambda p, xi, yi: loss_fn(fmodel, p, xi[None], yi[None])[0]  # noqa: E731
+        fn, state = clipped_grad(per_example, clipping_norm=c, batch_argnums=(1, 2), return_aux=True)
+    else:
+        batched = lambda p, xb, yb: loss_fn(fmodel, p, xb, yb)  # noqa: E731
+        fn, state = clipped_grad(batched, clipping_norm=c, batch_argnums=(1, 2), return_aux=True,
+                                 clip_backend=backend, model=fmodel)
+    (out, aux), _ = fn(params, x, y, state=state)
+    leaves = [v for v in (out.pytree.values() if isinstance(out.pytree, dict) else out.pytree)]
+    total = math.sqrt(sum(float(v.double().square().sum()) for v in leaves))
+    return total, aux
+
+
+def _signed_output_loss(fmodel, p, x, y):
+    # per-example loss sum_t (out_t . y_t): the output gradient of position t is y_t
+    out = fmodel(p, x)
+    return (out * y).flatten(1).sum(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=12, deadline=None)
+@given(
+    t=st.sampled_from([16, 64]),
+    spread=st.sampled_from([1e-6, 1e-3, 1e-1]),
+    scale=st.sampled_from([1e-6, 1.0, 1e4]),
+    c=st.sampled_from([1e-3, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_contribution_at_most_c_on_cancelling_sequences(backend, dtype, t, spread, scale, c, seed):
+    d_in, d_out = 256, 8
+    model = nn.Linear(d_in, d_out, bias=False).to(dtype)
+    x = cancelling(t, d_in, scale, spread, seed, dtype)[None]
+    y = alternating(t, d_out, 1.0, seed, dtype)[None]
+    total, aux = _contribution(backend, model, _signed_output_loss, x, y, c)
+    assert aux.num_nonfinite == 0
+    assert total <= c, f"contribution {total} > C = {c} (norm reported {float(aux.grad_norms[0])})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_crafted_example_of_the_issue_stays_within_c(backend, dtype):
+    # Nearly identical rows of a long sequence through a large Linear, output gradients of
+    # alternating sign: float32 Gram norms used to let it through at ~1.7x C.
+    model = nn.Linear(1024, 64, bias=True).to(dtype)
+    t = 256
+    x = cancelling(t, 1024, 1.0, 1e-5, 11, dtype)[None]
+    y = alternating(t, 64, 1.0, 11, dtype)[None]
+    total, aux = _contribution(backend, model, _signed_output_loss, x, y, 0.01)
+    assert aux.num_nonfinite == 0 and bool(torch.isfinite(aux.grad_norms).all())
+    assert total <= 0.01
+
+
+def _conv_loss(fmodel, p, x, y):
+    return (fmodel(p, x) * y).flatten(1).sum(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=8, deadline=None)
+@given(spread=st.sampled_from([1e-6, 1e-2]), scale=st.sampled_from([1e-4, 1.0, 1e6]), seed=st.integers(0, 2**16))
+def test_conv_contribution_at_most_c_on_constant_images(backend, dtype, spread, scale, seed):
+    # A nearly constant image under a checkerboard output gradient: the patches cancel.
+    model = nn.Conv2d(16, 4, 3, padding=1, bias=True).to(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(1, 16, 1, 1, generator=gen, dtype=torch.float64)
+    x = (scale * (base + spread * torch.randn(1, 16, 12, 12, generator=gen, dtype=torch.float64))).to(dtype)
+    checker = torch.tensor([[(-1.0) ** (i + j) for j in range(12)] for i in range(12)], dtype=torch.float64)
+    y = (checker * torch.randn(1, 4, 1, 1, generator=gen, dtype=torch.float64)).to(dtype)
+    total, aux = _contribution(backend, model, _conv_loss, x, y, 0.5)
+    assert aux.num_nonfinite == 0
+    assert total <= 0.5
+
+
+class _Tied(nn.Module):
+    """An embedding whose table is also the output layer (a tied LM head)."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+def _tied_loss(fmodel, p, ids, y):
+    return (fmodel(p, ids) * y).flatten(1).sum(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=8, deadline=None)
+@given(scale=st.sampled_from([1e-3, 1.0, 1e3]), seed=st.integers(0, 2**16))
+def test_tied_embedding_contribution_at_most_c_on_repeated_tokens(backend, dtype, scale, seed):
+    # One token repeated with alternating output gradients: the lookup's rows and the head's
+    # Gram terms cancel each other in the cross term.
+    torch.manual_seed(seed)
+    model = _Tied(32, 16).to(dtype)
+    ids = torch.full((1, 24), 7, dtype=torch.long)
+    y = alternating(24, 32, scale, seed, dtype)[None]
+    total, aux = _contribution(backend, model, _tied_loss, ids, y, 0.1)
+    assert aux.num_nonfinite == 0
+    assert total <= 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=8, deadline=None)
+@given(scale=st.sampled_from([1e-20, 1e-3, 1.0, 1e3, 1e15]), seed=st.integers(0, 2**16))
+def test_norm_and_embedding_contributions_at_most_c_at_extreme_scales(backend, dtype, scale, seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Embedding(20, 24), nn.LayerNorm(24), nn.Linear(24, 6)).to(dtype)
+    ids = torch.randint(0, 20, (1, 10))
+    y = alternating(10, 6, scale, seed, dtype)[None]
+    total, aux = _contribution(backend, model, _tied_loss, ids, y, 1.0)
+    if aux.num_nonfinite:  # only for gradients that are not finite in this dtype
+        assert total == 0.0
+    assert total <= 1.0
