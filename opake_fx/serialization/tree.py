@@ -293,7 +293,7 @@ class _Misfit(Exception):
 
 def _tensor_value(value: Any, template: torch.Tensor) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        raise _Misfit(f"the checkpoint has a {type(value).__name__}, the template a tensor")
+        raise _Misfit(f"the checkpoint has the {type(value).__name__} {value!r:.40} where the template has a tensor")
     if tuple(value.shape) != tuple(template.shape):
         raise _Misfit(f"shape {tuple(value.shape)} in the checkpoint, the template has {tuple(template.shape)}")
     if not _dtype_fits(value.dtype, template.dtype):
@@ -319,7 +319,7 @@ def _dtype_fits(saved: torch.dtype, wanted: torch.dtype) -> bool:
 
 def _plain_value(value: Any, template: Any) -> Any:
     if not isinstance(value, _PLAIN):
-        raise _Misfit(f"the checkpoint has a {type(value).__name__}, the template a plain {type(template).__name__}")
+        raise _Misfit(f"the checkpoint has a {type(value).__name__} where the template has the {type(template).__name__} {template!r}")
     if value is None or template is None:
         return value
     if isinstance(template, bool) or isinstance(value, bool):
@@ -331,7 +331,10 @@ def _plain_value(value: Any, template: Any) -> Any:
     else:
         fits = isinstance(value, str)
     if not fits:
-        raise _Misfit(f"the checkpoint has the {type(value).__name__} {value!r}, the template a {type(template).__name__}")
+        raise _Misfit(
+            f"the checkpoint has the {type(value).__name__} {value!r} where the template has the "
+            f"{type(template).__name__} {template!r}"
+        )
     return value
 
 

@@ -101,7 +101,9 @@ def train(mode: str, directory: Path, *, rank: int = 0, world: int = 1, die_at: 
         if (t, "saved") == (die_step, die_phase):
             os.kill(os.getpid(), signal.SIGKILL)
     log.close()
-    torch.save({"params": params, "epsilon": accountant.spent_epsilon(DELTA)}, directory / f"final.rank{rank}.pt")
+    spent = json.dumps(accountant.state_dict()["spent"], sort_keys=True)
+    torch.save({"params": params, "epsilon": accountant.spent_epsilon(DELTA), "spent": spent},
+               directory / f"final.rank{rank}.pt")
 
 
 def _build(mode: str, rank: int, world: int) -> dict:
