@@ -1,0 +1,379 @@
+"""The DP plan: one frozen value from which the sampler, the pipeline and the accountant are built.
+
+Configured separately, the sample rate, the number of steps, the clip norm and the noise
+multiplier of a DP-SGD run can disagree between the sampler, the noise stage and the
+accountant, and nothing would notice. A :class:`DPPlan` holds them once (the model:
+jax_privacy's ``DPExecutionPlan`` and Opacus's ``make_private_with_epsilon``); every
+piece is derived from it, so they cannot disagree:
+
+    plan = DPPlan(dataset_size=len(train), batch_size=128, epochs=20, clipping_norm=1.0,
+                  target_epsilon=3.0, delta=1e-5)          # calibrates the noise multiplier
+    sampler = plan.sampler(train, key(1))                  # Poisson, with the plan's rate and steps
+    pipeline = plan.pipeline(loss_fn, sgd(0.1, momentum=0.9), key=key(0))  # clip, psum, noise, opt
+    accountant = plan.accountant()                         # the plan's budget; step with plan.step_cost
+
+The stage-by-stage APIs stay for researchers; the plan only wires them.
+
+Example:
+    >>> plan = DPPlan(dataset_size=10_000, batch_size=64, steps=500, target_epsilon=3.0, delta=1e-5)
+    >>> round(plan.noise_multiplier, 2), plan.sample_rate
+    (0.66, 0.0064)
+    >>> plan.epsilon() <= 3.0
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Any
+
+from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.random import RngKey, fold_in
+
+__all__ = ["DPPlan", "SAMPLERS", "MECHANISMS"]
+
+SAMPLERS = ("poisson", "truncated_poisson")
+"""The samplers a plan can use; each comes with its own accounting."""
+
+MECHANISMS = ("gaussian",)
+"""The noise mechanisms a plan can use."""
+
+
+@dataclass(frozen=True)
+class DPPlan:
+    """A DP-SGD run described once: sampling, steps, clipping, noise and budget.
+
+    Give the dataset size, the expected batch size *or* the sample rate, the steps *or*
+    the epochs, the clip norm, and either a target ``(target_epsilon, delta)`` (the
+    noise multiplier is calibrated, without a bracket, by
+    :func:`opake_fx.accounting.calibrate`) or a ``noise_multiplier`` (0: an explicit
+    non-private baseline, epsilon = inf). After construction every field is filled in,
+    so the plan is one self-consistent, serialisable value: ``DPPlan(**plan.to_dict())``
+    equals ``plan``, and a plan given both a target and a multiplier checks that the
+    multiplier meets the target instead of recalibrating.
+
+    Attributes:
+        dataset_size: number of examples (the neighbouring relation is add-or-remove-one).
+        batch_size: the expected batch size ``sample_rate * dataset_size`` (it is also
+            what the clipped sum is divided by).
+        sample_rate: the Poisson sampling probability of each example at each step.
+        steps: the number of steps (batches) of the run.
+        epochs: ``steps * sample_rate`` (expected passes over the data).
+        clipping_norm: the per-example L2 clip norm C.
+        target_epsilon, delta: the budget; ``delta`` is required whenever epsilon is
+            asked for.
+        noise_multiplier: sigma; the noise stddev is ``sigma * C / batch_size``.
+        sampling: ``"poisson"`` or ``"truncated_poisson"`` (batches capped at
+            ``max_batch_size``, accounted by ``truncated_poisson``).
+        max_batch_size: the cap of ``"truncated_poisson"``.
+        mechanism: ``"gaussian"``.
+        clip_backend: ``"vmap"``, ``"ghost"`` or ``"auto"`` (see ``clipped_grad``).
+        accountant_kind: ``"pld"`` (default) or ``"rdp"``: how epsilon is measured.
+
+    Privacy contract: the pipeline clips each example to ``clipping_norm``, sums over
+    ranks and adds Gaussian noise of multiplier ``noise_multiplier`` to a sum of
+    sensitivity ``clipping_norm / batch_size``; the sampler draws Poisson batches with
+    ``sample_rate`` for ``steps`` steps (each rank its disjoint shard, with
+    ``fold_in(key, rank)``); the accountant charges ``step_cost`` per step. All three
+    read the same fields, which is what makes the accounted epsilon the run's epsilon.
+
+    Raises:
+        InputValueError / InputTypeError: a missing, contradictory or invalid field.
+        CalibrationError: no noise multiplier in 0.05..1000 meets the target.
+    """
+
+    dataset_size: int
+    batch_size: float | None = None
+    sample_rate: float | None = None
+    steps: int | None = None
+    epochs: float | None = None
+    clipping_norm: float = 1.0
+    target_epsilon: float | None = None
+    delta: float | None = None
+    noise_multiplier: float | None = None
+    sampling: str = "poisson"
+    max_batch_size: int | None = None
+    mechanism: str = "gaussian"
+    clip_backend: str = "vmap"
+    accountant_kind: str = "pld"
+
+    def __post_init__(self) -> None:
+        n = _int(self.dataset_size, "dataset_size", 1)
+        q, b = _sampling(n, self.batch_size, self.sample_rate)
+        steps, epochs = _length(q, self.steps, self.epochs)
+        c = _real(self.clipping_norm, "clipping_norm", "the per-example clip norm, e.g. 1.0")
+        if not (c > 0 and math.isfinite(c)):
+            raise InputValueError(f"DPPlan: clipping_norm must be finite and > 0; got {c}.")
+        _choice(self.sampling, "sampling", SAMPLERS)
+        _choice(self.mechanism, "mechanism", MECHANISMS)
+        _choice(self.clip_backend, "clip_backend", ("vmap", "ghost", "auto"))
+        _choice(self.accountant_kind, "accountant_kind", ("pld", "rdp"))
+        cap = None
+        if self.sampling == "truncated_poisson":
+            if self.max_batch_size is None:
+                raise InputValueError("DPPlan(sampling='truncated_poisson') needs max_batch_size (the batch cap).")
+            cap = _int(self.max_batch_size, "max_batch_size", 1)
+        elif self.max_batch_size is not None:
+            raise InputValueError("DPPlan: max_batch_size applies to sampling='truncated_poisson' only.")
+        for name, value in (("dataset_size", n), ("batch_size", b), ("sample_rate", q), ("steps", steps),
+                            ("epochs", epochs), ("clipping_norm", c), ("max_batch_size", cap)):
+            object.__setattr__(self, name, value)
+        delta = None if self.delta is None else _real(self.delta, "delta", "e.g. 1e-5, below 1 / dataset_size")
+        if delta is not None and not 0 < delta < 1:
+            raise InputValueError(f"DPPlan: delta must be in (0, 1); got {delta}.")
+        object.__setattr__(self, "delta", delta)
+        nm = self._resolve_noise_multiplier(delta)
+        object.__setattr__(self, "noise_multiplier", nm)
+
+    # --- what the plan builds ----------------------------------------------------------
+
+    def sampler(self, dataset: Any, key: RngKey, *, rank: int | None = None, world_size: int | None = None) -> Any:
+        """The batch sampler of this rank: Poisson batches of its shard, ``sample_rate``, ``steps``.
+
+        Args:
+            dataset: the whole training set (its length must be ``dataset_size``).
+            key: the sampler key (NOT the noise key); each rank uses ``fold_in(key, rank)``.
+            rank, world_size: default: the current process group's (1 process: 0, 1).
+
+        Returns:
+            A ``DataLoader`` batch sampler yielding indices into ``dataset``.
+
+        Privacy: the union of the ranks' batches is a Poisson sample of the whole dataset
+        with rate ``sample_rate`` (disjoint shards, independent keys), as accounted.
+        """
+        from opake_fx.distributed import get_rank, get_world_size, shard_bounds
+        from opake_fx.dpsgd.sampling import PoissonSampler, TruncatedPoissonSampler
+
+        if len(dataset) != self.dataset_size:
+            raise InputValueError(
+                f"DPPlan.sampler: the dataset has {len(dataset)} examples but the plan was made for dataset_size="
+                f"{self.dataset_size}; the sample rate and the accounting depend on it. Build the plan from len(dataset)."
+            )
+        if not isinstance(key, RngKey):
+            raise InputTypeError(f"DPPlan.sampler needs key=opake_fx.random.key(seed); got {type(key).__name__}.")
+        world_size = get_world_size() if world_size is None else world_size
+        rank = get_rank() if rank is None else rank
+        start, stop = shard_bounds(self.dataset_size, rank, world_size)
+        local_key = fold_in(key, rank) if world_size > 1 else key
+        shard = range(start, stop)
+        if self.sampling == "truncated_poisson":
+            if world_size > 1:
+                raise InputValueError(
+                    "DPPlan: sampling='truncated_poisson' caps the whole batch, which ranks sampling their shards "
+                    "independently cannot do; use sampling='poisson' under a process group."
+                )
+            inner: Any = TruncatedPoissonSampler(
+                shard, sample_rate=self.sample_rate, n_steps=self.steps, key=local_key, max_batch_size=self.max_batch_size
+            )
+        else:
+            inner = PoissonSampler(shard, sample_rate=self.sample_rate, n_steps=self.steps, key=local_key)
+        return _Offset(inner, start) if start else inner
+
+    def pipeline(
+        self,
+        loss_fn: Callable[..., Any],
+        optimizer: Any,
+        *,
+        key: RngKey,
+        model: Any = None,
+        batch_argnums: Sequence[int] = (1, 2),
+    ) -> Any:
+        """``named_chain(clip, psum, noise, opt)`` with the plan's clip norm, normalisation and noise.
+
+        Args:
+            loss_fn: ``loss_fn(params, *batch)``: one example for ``clip_backend="vmap"``,
+                the whole batch with per-example losses ``[B]`` for ``"ghost"``/``"auto"``.
+            optimizer: a ``Transform`` from :mod:`opake_fx.optimizers`.
+            key: the noise key (the SAME on every rank; not the sampler key).
+            model: the functional model, for ``"ghost"``/``"auto"``.
+            batch_argnums: the positions of the batch tensors in ``loss_fn``.
+
+        Privacy: clip to ``clipping_norm``, divide by ``batch_size``, sum over ranks, add
+        ``noise_multiplier * clipping_norm / batch_size`` Gaussian noise: the mechanism
+        that :attr:`step_cost` accounts.
+        """
+        from opake_fx.distributed import psum
+        from opake_fx.dpsgd import clip, noise
+        from opake_fx.transforms import named_chain
+
+        return named_chain(
+            ("clip", clip(loss_fn, clipping_norm=self.clipping_norm, normalize_by=self.batch_size,
+                          batch_argnums=tuple(batch_argnums), clip_backend=self.clip_backend, model=model)),
+            ("psum", psum()),
+            ("noise", noise(noise_multiplier=self.noise_multiplier, key=key)),
+            ("opt", optimizer),
+        )
+
+    @property
+    def step_cost(self) -> Any:
+        """The :class:`~opake_fx.accounting.DpProcess` of one step (the sampler's and the noise's)."""
+        if self.noise_multiplier == 0:
+            from opake_fx.accounting import nonprivate
+
+            return nonprivate()
+        return self._step(self.noise_multiplier)
+
+    def accountant(self) -> Any:
+        """An :class:`~opake_fx.accounting.Accountant` with the plan's budget.
+
+        The budget is ``(target_epsilon, delta)``, or, for a plan given a noise
+        multiplier, the epsilon of the whole planned run at ``delta``. Charge
+        :attr:`step_cost` per step (``accountant.step(plan.step_cost)``); it refuses a
+        step that would exceed the budget.
+        """
+        import opake_fx.accounting as acc
+
+        delta = self._need_delta("accountant")
+        eps = self.target_epsilon if self.target_epsilon is not None else self.epsilon()
+        if math.isinf(eps):
+            raise InputValueError(
+                "DPPlan.accountant: this plan has noise_multiplier=0 (a non-private baseline, epsilon = inf); "
+                "there is no budget to account against."
+            )
+        return acc.Accountant(acc.epsilon_budget(eps, delta, accountant=self.accountant_kind))
+
+    def epsilon(self, steps: int | None = None) -> float:
+        """Epsilon at ``delta`` after ``steps`` steps (default: the whole run); inf for ``noise_multiplier=0``.
+
+        Example:
+            >>> DPPlan(dataset_size=1000, batch_size=10, steps=100, noise_multiplier=0.0, delta=1e-5).epsilon()
+            inf
+        """
+        delta = self._need_delta("epsilon")
+        n = self.steps if steps is None else _int(steps, "steps", 0)
+        if self.noise_multiplier == 0:
+            return math.inf if n > 0 else 0.0
+        return (self._step(self.noise_multiplier) * n).epsilon_at(delta, accountant=self.accountant_kind)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan's fields as plain data (``DPPlan(**d)`` rebuilds it without recalibrating)."""
+        return dataclasses.asdict(self)
+
+    # --- private -----------------------------------------------------------------------
+
+    def _step(self, nm: float) -> Any:
+        import opake_fx.dpsgd.accounting as dpsgd_acc
+
+        g = dpsgd_acc.gaussian(nm)
+        if self.sampling == "truncated_poisson":
+            return dpsgd_acc.truncated_poisson(g, self.sample_rate, self.dataset_size, self.max_batch_size)
+        return dpsgd_acc.poisson(g, self.sample_rate)
+
+    def _need_delta(self, where: str) -> float:
+        if self.delta is None:
+            raise InputValueError(f"DPPlan.{where} needs delta: build the plan with delta=... (e.g. 1e-5).")
+        return self.delta
+
+    def _resolve_noise_multiplier(self, delta: float | None) -> float:
+        import opake_fx.accounting as acc
+
+        nm = self.noise_multiplier
+        if nm is not None:
+            nm = _real(nm, "noise_multiplier", "sigma >= 0 (0: a non-private baseline)")
+            if not (nm >= 0 and math.isfinite(nm)):
+                raise InputValueError(f"DPPlan: noise_multiplier must be finite and >= 0; got {nm}.")
+        if self.target_epsilon is None:
+            if nm is None:
+                raise InputValueError(
+                    "DPPlan needs a privacy target: target_epsilon and delta (the noise multiplier is calibrated), "
+                    "or noise_multiplier (0 for an explicit non-private baseline)."
+                )
+            return nm
+        eps = _real(self.target_epsilon, "target_epsilon", "the epsilon to spend, e.g. 3.0")
+        if not (eps > 0 and math.isfinite(eps)):
+            raise InputValueError(f"DPPlan: target_epsilon must be finite and > 0; got {eps}.")
+        object.__setattr__(self, "target_epsilon", eps)
+        if delta is None:
+            raise InputValueError("DPPlan: target_epsilon needs delta (e.g. 1e-5, below 1 / dataset_size).")
+        budget = acc.epsilon_budget(eps, delta, accountant=self.accountant_kind)
+        if nm is not None:  # e.g. rebuilt from to_dict(): check instead of recalibrating
+            if nm == 0 or not budget.is_met_by(self._step(nm) * self.steps):
+                raise InputValueError(
+                    f"DPPlan: noise_multiplier={nm} does not meet target_epsilon={eps} at delta={delta} over "
+                    f"{self.steps} steps at sample rate {self.sample_rate}. Leave noise_multiplier out to calibrate it."
+                )
+            return nm
+        return float(acc.calibrate(budget, lambda s: self._step(s) * self.steps).param)
+
+
+class _Offset:
+    """A batch sampler over a shard ``range(start, stop)``, yielding indices of the whole dataset."""
+
+    def __init__(self, inner: Any, start: int) -> None:
+        self.inner, self.start = inner, start
+
+    def __iter__(self) -> Any:
+        for batch in self.inner:
+            yield [self.start + i for i in batch]
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def batch(self, step: int) -> list[int]:
+        """Step ``step``'s batch, as indices of the whole dataset."""
+        return [self.start + i for i in self.inner.batch(step)]
+
+    def __getattr__(self, name: str) -> Any:  # state_dict, key, n_steps, ... of the shard's sampler
+        return getattr(self.inner, name)
+
+
+def _sampling(n: int, batch_size: Any, sample_rate: Any) -> tuple[float, float]:
+    if batch_size is None and sample_rate is None:
+        raise InputValueError("DPPlan needs batch_size (the expected batch size) or sample_rate.")
+    if sample_rate is not None:
+        q = _real(sample_rate, "sample_rate", "a probability in (0, 1]")
+        if not 0 < q <= 1:
+            raise InputValueError(f"DPPlan: sample_rate must be in (0, 1]; got {q}.")
+        if batch_size is not None and not math.isclose(_real(batch_size, "batch_size", ""), q * n, rel_tol=1e-9):
+            raise InputValueError(
+                f"DPPlan: batch_size={batch_size} and sample_rate={q} disagree (sample_rate * dataset_size = {q * n}); "
+                "give one of them."
+            )
+        return q, q * n
+    b = _real(batch_size, "batch_size", "the expected number of examples per batch")
+    if not 0 < b <= n:
+        raise InputValueError(f"DPPlan: batch_size must be in (0, dataset_size={n}]; got {b}.")
+    return b / n, b
+
+
+def _length(q: float, steps: Any, epochs: Any) -> tuple[int, float]:
+    if steps is None and epochs is None:
+        raise InputValueError("DPPlan needs steps or epochs (expected passes over the data).")
+    if steps is not None:
+        t = _int(steps, "steps", 1)
+        if epochs is not None and not math.isclose(_real(epochs, "epochs", ""), t * q, rel_tol=1e-9):
+            raise InputValueError(
+                f"DPPlan: steps={t} and epochs={epochs} disagree (steps * sample_rate = {t * q}); give one of them."
+            )
+        return t, t * q
+    e = _real(epochs, "epochs", "expected passes over the data")
+    if not (e > 0 and math.isfinite(e)):
+        raise InputValueError(f"DPPlan: epochs must be finite and > 0; got {e}.")
+    t = max(1, int(round(e / q)))
+    return t, t * q
+
+
+def _real(value: Any, name: str, hint: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise InputTypeError(f"DPPlan: {name} must be a real number ({hint}); got {type(value).__name__} {value!r}.")
+    out = float(value)
+    if math.isnan(out):
+        raise InputValueError(f"DPPlan: {name} is NaN; pass {hint}.")
+    return out
+
+
+def _int(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise InputTypeError(f"DPPlan: {name} must be an int >= {minimum}; got {type(value).__name__} {value!r}.")
+    if int(value) < minimum:
+        raise InputValueError(f"DPPlan: {name} must be >= {minimum}; got {value}.")
+    return int(value)
+
+
+def _choice(value: Any, name: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise InputValueError(f"DPPlan: {name} must be one of {options}; got {value!r}.")
