@@ -33,6 +33,7 @@ LAMBDAS = np.concatenate([2.0 ** (np.arange(-4, 11) / 2.0), -(2.0 ** (np.arange(
 """Tilts at which log-MGFs are kept for the Chernoff windows (ratio sqrt(2), 0.25 to 32)."""
 _POSITIVE = LAMBDAS > 0
 _NARROW = 4  # an operand this many times narrower than the other's bulk is not split
+_LOW_TRIM = 100.0  # the low end of a composition is trimmed at this times its tail budget
 _DIRECT = 32  # below this many points in the smaller operand, convolve directly (no FFT)
 _EPS = float(np.finfo(np.float64).eps)
 
@@ -178,19 +179,24 @@ def discretize(direction: _curves.Direction, d: float) -> Pmf:
     return trim(Pmf(d, i_lo, probs, h[-1]), TRIM_MASS)
 
 
-def trim(pmf: Pmf, budget: float) -> Pmf:
-    """Drops end bins holding <= ``budget`` mass per side: low end rounded up, high end to +inf."""
+def trim(pmf: Pmf, budget: float, low: float | None = None) -> Pmf:
+    """Drops end bins holding <= ``budget`` mass per side: low end rounded up, high end to +inf.
+
+    ``low`` (default ``budget``) is the budget of the low end: rounding up never
+    under-reports, so it only trades tightness for a shorter support.
+    """
     p = pmf.probs
     if p.size <= 2:
         return pmf
-    left = int(np.searchsorted(np.cumsum(p), budget, side="right"))
+    left = int(np.searchsorted(np.cumsum(p), budget if low is None else low, side="right"))
     right = int(np.searchsorted(np.cumsum(p[::-1]), budget, side="right"))
     left, right = min(left, p.size - 1), min(right, p.size - 1 - left)
     if left == 0 and right == 0:
         return pmf
     kept = p[left : p.size - right].copy()
     kept[0] += float(p[:left].sum())
-    return Pmf(pmf.d, pmf.lo + left, kept, pmf.inf + float(p[p.size - right :].sum()))
+    # a log-MGF bound of the exact composition stays one (see Pmf.log_mgfs)
+    return Pmf(pmf.d, pmf.lo + left, kept, pmf.inf + float(p[p.size - right :].sum()), pmf._mgf)
 
 
 
@@ -223,7 +229,11 @@ def convolve(a: Pmf, b: Pmf, tail: float = FOLD_TAIL) -> Pmf:
     the operands (:meth:`Pmf.log_mgfs`): ``tail / 2`` goes to ``+inf`` for the upper
     cut, the mass below the window is rounded up to its first point. So the support
     stays the width of the composed distribution instead of growing by the operand's
-    width at every step. Mass at infinity composes as ``1 - (1 - a.inf)(1 - b.inf)``.
+    width at every step. Then end bins holding at most ``tail`` computed mass per side
+    are trimmed (:func:`trim`; sound because every computed bin bounds its exact value
+    from above), and the lowest bins holding ``100 * tail`` are rounded up (that only
+    costs tightness, and little: they sit far below zero). At most ``1.5 * tail`` goes
+    to ``+inf`` per call. Mass at infinity composes as ``1 - (1 - a.inf)(1 - b.inf)``.
 
     Raises:
         GridTooLarge: the full support would exceed ``MAX_GRID`` points (coarsen first).
@@ -240,7 +250,10 @@ def convolve(a: Pmf, b: Pmf, tail: float = FOLD_TAIL) -> Pmf:
     else:
         out = _banded_convolution(long, short)
     mgf = a.log_mgfs() + b.log_mgfs()
-    return _cut(Pmf(a.d, a.lo + b.lo, out, inf, mgf), tail)
+    # every bin is an upper bound of its exact value (rounding bounds added), so ends
+    # holding <= tail computed mass can go too: this is what shortens the support where
+    # the Chernoff window (a bound, on a coarse grid of tilts) is loose
+    return trim(_cut(Pmf(a.d, a.lo + b.lo, out, inf, mgf), tail), tail, _LOW_TRIM * tail)
 
 
 def _cut(pmf: Pmf, tail: float) -> Pmf:
@@ -304,13 +317,13 @@ def _banded_convolution(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     n = sfft.next_fast_len(width, real=True)
     fa_lo = sfft.rfft(a_lo, n)
     if b.size * _NARROW <= a1 - a0:
-        bulk = _fft_convolution(a[a0:a1], b)
+        bulk = _fft_convolution(a_hi[a0:a1], b)
         rest_spectrum = fa_lo * sfft.rfft(b, n)
         bound = _floor(rest_spectrum, n)
         offset = a0
     else:
         b_hi, b_lo, (b0, b1) = _split(b)
-        bulk = _fft_convolution(a[a0:a1], b[b0:b1])
+        bulk = _fft_convolution(a_hi[a0:a1], b_hi[b0:b1])
         fb_lo = sfft.rfft(b_lo, n)
         first = fa_lo * (sfft.rfft(b_hi, n) + fb_lo)
         second = sfft.rfft(a_hi, n) * fb_lo

@@ -21,12 +21,15 @@ from opake_fx.errors import BudgetExceededError, InputTypeError, InputValueError
 def agrees(running: float, one_shot: float) -> bool:
     """Running (incremental) vs one-shot composition of the same steps.
 
-    Both are pessimistic bounds of the same exact discrete composition; they differ only
-    in where FFT rounding bounds and Chernoff cuts (1e-16 mass a step) are paid, which
-    moves epsilon by a few 1e-9 relative (either way). Above by 1e-6 is the issue's
-    tolerance; below by more than 1e-7 would mean a bound was lost on one side.
+    Both bound the same exact discrete composition from above (checked against an
+    extended-precision reference in ``test_both_paths_bound_...``); they differ in where
+    the FFT rounding bounds and the tail cuts are paid. The running one is never looser
+    than the one-shot by more than 1e-6 (the issue's tolerance). It may be *tighter*:
+    the one-shot Fourier product adds one uniform rounding bound to every bin, which at
+    delta 1e-8 makes it looser than the exact value by up to ~3e-6 (measured), while the
+    running one pays a bound of each bin's own order; 2e-5 leaves room for that.
     """
-    return one_shot * (1 - 1e-7) - 1e-12 <= running <= one_shot * (1 + 1e-6) + 1e-12
+    return one_shot * (1 - 2e-5) - 1e-12 <= running <= one_shot * (1 + 1e-6) + 1e-12
 
 
 def poisson(sigma: float, q: float) -> acc.DpProcess:
@@ -52,8 +55,29 @@ def test_incremental_and_one_shot_agree_on_random_heterogeneous_sequences(steps,
     assert agrees(running.epsilon_at(delta), one_shot.epsilon_at(delta))
     eps = one_shot.epsilon_at(delta)
     if math.isfinite(eps):
-        assert running.delta_at(eps) >= one_shot.delta_at(eps) * (1 - 1e-6) - 1e-15
-        assert running.delta_at(eps) <= delta * (1 + 1e-4) + 1e-12
+        # delta moves ~20-50x more than epsilon (relative) at these slopes
+        assert running.delta_at(eps) <= one_shot.delta_at(eps) * (1 + 5e-5) + 1e-15
+        assert running.delta_at(eps) >= one_shot.delta_at(eps) * (1 - 1e-3) - 1e-15
+
+
+@pytest.mark.parametrize("delta", [1e-5, 1e-8])
+@pytest.mark.parametrize("second", [dpsgd_acc.poisson(dpsgd_acc.laplace(1.0), 0.05), poisson(1.0, 0.0625)], ids=repr)
+def test_both_paths_bound_the_extended_precision_composition(delta, second):
+    first = poisson(1.0, 0.0625)
+    running = acc.IncrementalPld().then(first).then(second)
+    one_shot = (first | second).epsilon_at(delta)
+    references = []
+    for pair in (0, 1):
+        a, b = pld._single(first, 1e-4)[pair], pld._single(second, 1e-4)[pair]
+        n = sfft.next_fast_len(a.size + b.size - 1, real=True)
+        spectrum = sfft.rfft(a.probs.astype(np.longdouble), n) * sfft.rfft(b.probs.astype(np.longdouble), n)
+        exact = np.maximum(sfft.irfft(spectrum, n)[: a.size + b.size - 1], 0.0).astype(np.float64)
+        references.append(_pmf.Pmf(1e-4, a.lo + b.lo, exact, a.inf + b.inf - a.inf * b.inf))
+    reference = max(p.epsilon_at(delta) for p in references)
+    assert running.epsilon_at(delta) >= reference * (1 - 1e-12)
+    assert one_shot >= reference * (1 - 1e-12)
+    assert running.epsilon_at(delta) <= reference * (1 + 1e-7)  # the running bound is tight
+    assert agrees(running.epsilon_at(delta), one_shot)
 
 
 def test_many_distinct_processes_match_dp_accounting():
@@ -128,7 +152,7 @@ def test_chernoff_cut_keeps_the_support_bounded():
         running = _pmf.convolve(running, single_remove)
         sizes.append(running.size)
     assert max(sizes[100:]) < 2 * sizes[50]  # grows like the composed spread, not by the step width
-    assert running.inf <= 200 * (single_remove.inf + _pmf.FOLD_TAIL)
+    assert running.inf <= 200 * (single_remove.inf + 1.5 * _pmf.FOLD_TAIL)
 
 
 def test_incremental_pld_errors_and_identity():
