@@ -123,7 +123,8 @@ def _assert_same(resumed: dict, reference: dict) -> None:
         assert got["epsilon"] == pytest.approx(ref["epsilon"], rel=1e-7)
 
 
-@pytest.mark.parametrize("mode", ["dpsgd", pytest.param("dpftrl", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~20 s each: every restart pays torch's first-backward imports again
+@pytest.mark.parametrize("mode", ["dpsgd", "dpftrl"])
 def test_killed_inside_a_save_resumes_bit_identically(mode, tmp_path):
     reference = _reference_in_process(mode, tmp_path / "reference")
     resumed = _finished_run(mode, tmp_path / "killed", ["self:3:save"])
