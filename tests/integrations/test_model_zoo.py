@@ -79,10 +79,6 @@ WHOLE_LOSS_HF_MASK = (
     "which is vmap of the loss -> raw HF mask .all() error; _ghost._whole_loss_per_example has no loop fallback"
 )
 BAG_OFFSETS_VMAP = "vmap backend: boolean-mask indexing in the model (data-dependent shape) -> raw functorch error, no fallback"
-BAG_OFFSETS_FAST = (
-    "EmbeddingBag offsets [B] pass _ghost._batched by size -> module fallback vmaps over offsets "
-    "-> raw 'offsets[0] has to be 0' error; no EmbeddingBag rule"
-)
 
 RAW = RuntimeError  # a raw torch/functorch error today
 WRONG = AssertionError  # silently wrong numbers today (or a fallback that does not say so)
@@ -102,17 +98,13 @@ XFAIL: list[tuple[str, str, str, str, Any]] = [
     *[("t5_unpadded", label, backend, T5_B_EQ_T, WRONG) for label in ("B=T_enc", "B=T_dec") for backend in ("ghost", "auto")],
     *[(name, "B=layers", "*", FAST_RNN_LAYERS, RAW) for name in RNNS],
     *[(name, "*", "*", FAST_RNN, RAW) for name in RNNS],
-    ("embedding_bag_offsets", "*", "*", BAG_OFFSETS_FAST, RAW),
 ]
 
 # The fast path, checked by counting torch.func.vmap calls (today the per-module vmap
 # fallback is silent: these models pass the warning check above but not this one).
 XFAIL_VMAP_COUNT: dict[str, tuple[str, Any]] = {
-    "llama": ("LlamaRMSNorm has no rule (only nn.RMSNorm): silent per-module vmap fallback (3 modules)", WRONG),
-    "qwen2": ("Qwen2RMSNorm has no rule (only nn.RMSNorm): silent per-module vmap fallback (3 modules)", WRONG),
     "vit": ("ViTEmbeddings owns cls_token/position_embeddings (used outside a module call): silent module "
             "fallback", WRONG),
-    "embedding_bag": ("nn.EmbeddingBag has no rule: silent per-module vmap fallback", WRONG),
     "bert_mlm": (TIED_BIAS, SLOW),
     "roberta_mlm": (TIED_BIAS, SLOW),
 }

@@ -50,6 +50,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from opake_fx.dpsgd.clipping import _affine_norm as AN
+from opake_fx.dpsgd.clipping import _embedding_bag as EB
 from opake_fx.dpsgd.clipping import _layers as L
 from opake_fx.dpsgd.clipping._compat import checkpoint_passthrough
 from opake_fx.dpsgd.clipping._engine import Backend, ClipConfig, PerExampleNorms, _diff_tree, batch_size_of, vmap_backend
@@ -340,13 +342,15 @@ class _Capture:
                 for n, i in names.items():
                     self.why.setdefault(i, (reason, module, n))
             return None
+        if kind in _PER_CALL:  # rules decided on the call itself: what they need saved replaces its inputs
+            kind, args, kwargs = _PER_CALL[kind](module, args, kwargs, output)
         if kind == "fallback":
             items, spec = optree.tree_flatten((args, kwargs))
             positions = [k for k, t in enumerate(items) if isinstance(t, torch.Tensor)]
             inputs = [items[k] for k in positions]
         else:
             a = args[0] if args else kwargs["input"]
-            inputs, items, spec, positions = [a], [], None, []
+            inputs, items, spec, positions = (list(args) if kind in _PER_CALL else [a]), [], None, []
         report = None
         if self.recording:  # (not during a checkpoint's recomputation in the backward pass)
             use = _Use(module, kind, names)
@@ -498,6 +502,11 @@ class _Report:
         elif use.kind == "embedding":
             keep_tokens = any(i in cap.multi for i in names.values())  # a tied table: cross terms need tokens
             rule = L.EmbeddingGrad(a, g, use.module, L.compute_dtype(dtype), keep_tokens=keep_tokens)
+        elif use.kind == AN.KIND:  # a is A(x), saved by AN.route
+            rule = AN.affine_norm_grad(a, g, roles, dtype)
+        elif use.kind == EB.KIND:  # saved: per-token bags, ids and coefficients (or argmax) from EB.route
+            keep_tokens = any(i in cap.multi for i in names.values())
+            rule = EB.bag_grad(tuple(t.detach() for t in saved), g, use.module, L.compute_dtype(dtype), keep_tokens=keep_tokens)
         else:
             rule = L.norm_grad(use.module, a, g, roles, dtype)
         cap.rules[id(use)] = rule
@@ -554,9 +563,18 @@ def _kind(module: nn.Module) -> str:
                 "functional per-example gradient cannot follow. Remove max_norm (clipping bounds updates instead)."
             )
         return "embedding"
+    if isinstance(module, nn.EmbeddingBag) and t.forward is nn.EmbeddingBag.forward:
+        return EB.kind(module)
     if isinstance(module, _NORM_TYPES) and t.forward in tuple(c.forward for c in _NORM_TYPES):
         return "norm"
+    if AN.is_candidate(module):  # norm-like by structure; each call is checked by AN.route
+        return AN.KIND
     return "fallback"
+
+
+# Kinds whose calls are routed on their arguments and output: (module, args, kwargs, output)
+# -> (kind, what the rule needs saved as its inputs, {}) or ("fallback", args, kwargs).
+_PER_CALL: dict[str, Callable[..., tuple[str, tuple[Any, ...], dict[str, Any]]]] = {AN.KIND: AN.route, EB.KIND: EB.route}
 
 
 _MHA_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
@@ -668,6 +686,8 @@ def _batched(kind: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[s
         return False
     if kind == "fallback":
         return any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch for t in optree.tree_leaves((args, kwargs)))
+    if kind in _PER_CALL:  # its rule reads only the output's rows (an embedding bag's input may be [N] ids)
+        return True
     a = args[0] if args else kwargs.get("input")
     if not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[0] != batch:
         return False

@@ -1,0 +1,255 @@
+"""Rule for norm-like modules recognised by what they compute: ``y = A(x) * w + B(x) + b``.
+
+Hugging Face's RMSNorm classes (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``MistralRMSNorm``,
+``T5LayerNorm``, ...), LayerNorm subclasses with their own ``forward``, Gemma's
+``(1 + w) * x``, ``nn.PReLU`` on ``[B, *, C]``, eval-mode ``BatchNorm1d`` on ``[B, C]``:
+each has one 1-D ``weight`` (and maybe a 1-D ``bias``) of the size of the input's last
+dimension, and its output is elementwise affine in them. Then example ``i``'s gradients
+are ``dw_i = sum_positions g_i * A_i`` and ``db_i = sum_positions g_i``: ``[B, D]``, as
+small as the layer, computed directly (:class:`~._layers.PerExampleGrad`).
+
+No class name is trusted. A module is a *candidate* by structure (:func:`is_candidate`:
+a 1-D ``weight``, an optional 1-D ``bias`` of the same shape, no other parameters, none
+in submodules), and each call is *checked* in its forward hook (:func:`route`):
+
+* ``A(x)`` is the module's own ``forward`` on the same arguments with the weight replaced
+  by ones and the bias by zeros (``torch.no_grad``; one extra forward of the layer);
+  when the plain form does not fit, the offset form ``B(x) = f(x; w=0, b=0)``,
+  ``A(x) = f(x; 1, 0) - B(x)`` is tried (one more forward);
+* the call's actual output must equal ``A * w + B + b`` for the actual ``w`` and ``b`` to a
+  few units of rounding of its dtype (every call; elementwise, no extra forward);
+* once per module and call signature (training flag, shapes and dtypes), the same
+  identity must hold at a probe ``w``, ``b`` with distinct entries: the actual ``w`` is
+  often all ones (the initialisation), at which any function of ``w`` looks linear, and a
+  weight broadcast along another axis of equal size would pass with a constant ``w``.
+
+A call that fails takes the exact per-module fallback (``vmap`` of its vjp), with a
+:class:`~opake_fx.errors.SlowPathWarning` that says why. A forward with side effects on
+buffers (e.g. running statistics) is not re-run for good: buffer versions are compared
+and restored, and such a module takes the fallback.
+
+Privacy contract: the per-example gradients the weighted sum reads are the stored
+``[B, D]`` tensors whose certified float64 norms (:func:`~._layers.sq_norms_of`) decide
+the clip weights, so each example's contribution is at most ``C`` as computed in floating
+point whether or not the affinity check is right; the check only guards correctness (the
+norms and the sum equal the true per-example gradients').
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from opake_fx.dpsgd.clipping import _certified as cert
+from opake_fx.dpsgd.clipping import _layers as L
+from opake_fx.errors import SlowPathWarning
+
+KIND = "affine_norm"
+
+# module -> {call signature: "plain" | "offset" | None (not affine)}: the probe's verdict.
+_PROBED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], str | None]] = weakref.WeakKeyDictionary()
+
+
+def is_candidate(module: nn.Module) -> bool:
+    """Structure only: one 1-D ``weight``, an optional ``bias`` of the same shape, no other
+    parameters in the module or its submodules."""
+    params = module._parameters
+    weight = params.get("weight")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not weight.is_floating_point():
+        return False
+    if any(k not in ("weight", "bias") for k in params):
+        return False
+    bias = params.get("bias")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != weight.shape):
+        return False
+    return not any(p is not None for m in module.modules() if m is not module for p in m._parameters.values())
+
+
+def route(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    """Decides one call of a candidate: ``(KIND, (A,), {})`` with ``A(x)`` ``[B, *, D]`` (what
+    the rule needs saved for the backward pass, in place of the module's inputs), or
+    ``("fallback", args, kwargs)`` unchanged, with a :class:`SlowPathWarning`."""
+    weight = module._parameters["weight"]
+    bias = module._parameters.get("bias")
+    if not isinstance(output, torch.Tensor) or not output.is_floating_point() or output.dim() < 2 or (
+        output.shape[-1] != weight.shape[0]
+    ):
+        return _fallback(module, "its output is not one [batch, ..., D] tensor with D the weight's size", args, kwargs)
+    y = output.detach()
+    w = weight.detach()
+    b = None if bias is None else bias.detach()
+    sig = _signature(module, args, kwargs, y, w, b)
+    seen = _PROBED.setdefault(module, {})
+    form = seen.get(sig, "unknown")
+    if form is None:
+        return _fallback(module, "its output is not elementwise affine in its weight (checked at a probe weight)", args, kwargs)
+    try:
+        ones = _call(module, torch.ones_like(w), None if b is None else torch.zeros_like(b), args, kwargs, y)
+        if form == "unknown":
+            form = _probe(module, args, kwargs, y, w, b, ones)
+            seen[sig] = form
+            if form is None:
+                return _fallback(module, "its output is not elementwise affine in its weight (checked at a probe weight)",
+                                 args, kwargs)
+        if form == "plain":
+            a, offset = ones, None
+        else:
+            offset = _call(module, torch.zeros_like(w), None if b is None else torch.zeros_like(b), args, kwargs, y)
+            a = _sub(ones, offset)
+    except _NotAffine as e:
+        return _fallback(module, str(e), args, kwargs)
+    if not _affine_at(y, a, w, offset, b):
+        return _fallback(module, "this call's output is not A(x) * weight + bias for the A(x) its forward gives at "
+                         "weight = 1 (e.g. randomness inside the module)", args, kwargs)
+    return KIND, (a,), {}
+
+
+def affine_norm_grad(a: torch.Tensor, g: torch.Tensor, names: dict[str, str], dtype: torch.dtype) -> L.PerExampleGrad:
+    """The rule: ``dw_i = sum_positions g_i * A_i``, ``db_i = sum_positions g_i``.
+
+    Args:
+        a: ``A(x)`` ``[B, *, D]`` from :func:`route`.
+        g: gradient of the batch loss w.r.t. the module's output, ``[B, *, D]``.
+        names: role (``"weight"`` / ``"bias"``) -> parameter name, for the differentiated ones.
+        dtype: the parameters' dtype (the rule computes in :func:`~._layers.compute_dtype` of it).
+
+    Returns:
+        A :class:`~._layers.PerExampleGrad` of ``[B, D]`` gradients; its certified norms
+        are those of these stored tensors, which its weighted sum reads.
+    """
+    dtype = L.compute_dtype(dtype)
+    g = g.to(dtype)
+    dims = tuple(range(1, g.dim() - 1))
+    grads = {}
+    for role, name in names.items():
+        per = g * a.to(dtype) if role == "weight" else g
+        grads[name] = per.sum(dim=dims) if dims else per.clone()
+    return L.PerExampleGrad(grads)
+
+
+# --- the checks ---------------------------------------------------------------------
+
+
+class _NotAffine(Exception):
+    pass
+
+
+def _call(module: nn.Module, w: torch.Tensor, b: torch.Tensor | None, args: tuple[Any, ...], kwargs: dict[str, Any],
+          like: torch.Tensor) -> torch.Tensor:
+    """The module's own ``forward`` (no hooks) with ``weight = w`` (and ``bias = b``), under no_grad."""
+    params = module._parameters
+    saved = dict(params)
+    buffers = [(n, t, t._version) for n, t in module.named_buffers()]
+    copies = [t.clone() for _, t, _ in buffers]
+    try:
+        params["weight"] = w
+        if b is not None:
+            params["bias"] = b
+        with torch.no_grad():
+            out = module.forward(*args, **kwargs)
+    finally:
+        params.update(saved)
+        changed = False
+        for (_, t, version), copy in zip(buffers, copies):
+            if t._version != version:
+                changed = True
+                with torch.no_grad():
+                    t.copy_(copy)
+    if changed:
+        raise _NotAffine("its forward modifies its buffers (it cannot be re-run to find A(x))")
+    if not isinstance(out, torch.Tensor) or out.shape != like.shape:
+        raise _NotAffine("its forward at weight = 1 does not return a tensor of its output's shape")
+    return out
+
+
+def _probe(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], y: torch.Tensor, w: torch.Tensor,
+           b: torch.Tensor | None, ones: torch.Tensor) -> str | None:
+    """``"plain"`` (``y = A w + b``), ``"offset"`` (``y = A w + B + b``) or None, from the
+    actual weight and a probe weight with distinct entries."""
+    p, q = _probe_values(w), None if b is None else _probe_values(b, shift=0.37)
+    at_probe = _call(module, p, q, args, kwargs, y)
+    if _affine_at(at_probe, ones, p, None, q) and _affine_at(y, ones, w, None, b):
+        return "plain"
+    offset = _call(module, torch.zeros_like(w), None if b is None else torch.zeros_like(b), args, kwargs, y)
+    a = _sub(ones, offset)
+    if _affine_at(at_probe, a, p, offset, q) and _affine_at(y, a, w, offset, b):
+        return "offset"
+    return None
+
+
+def _probe_values(like: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
+    """Distinct entries in [0.5, 1.5) (a golden-ratio sequence), none equal to 0 or 1."""
+    k = torch.arange(like.shape[0], dtype=torch.float64, device=like.device)
+    frac = torch.remainder(k * 0.6180339887498949 + 0.1234 + shift, 1.0)
+    return (0.5 + frac).to(like.dtype)
+
+
+def _sub(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    dtype = L.compute_dtype(x.dtype)
+    return x.to(dtype) - y.to(dtype)
+
+
+def _affine_at(y: torch.Tensor, a: torch.Tensor, w: torch.Tensor, offset: torch.Tensor | None,
+               b: torch.Tensor | None) -> bool:
+    """Whether ``y == a * w + offset + b`` elementwise (``w``, ``b`` along the last axis) to
+    16 units of rounding of the coarsest dtype involved, relative to the terms' magnitudes."""
+    dtypes = [y.dtype, a.dtype, w.dtype] + ([] if b is None else [b.dtype]) + ([] if offset is None else [offset.dtype])
+    ct = torch.float64 if all(d == torch.float64 for d in dtypes) else torch.float32
+    u = max(cert.unit_roundoff(d) for d in dtypes + [ct])
+    aw = a.to(ct) * w.to(ct)
+    pred, mag = aw, aw.abs() + y.to(ct).abs()
+    for extra in (offset, b):
+        if extra is not None:
+            e = extra.to(ct)
+            pred, mag = pred + e, mag + e.abs()
+    yc = y.to(ct)
+    diff = (yc - pred).abs()
+    tiny = 16 * torch.finfo(ct).tiny
+    ok = diff <= 16 * u * mag + tiny
+    finite = torch.isfinite(yc) & torch.isfinite(pred)
+    # Non-finite on both sides: that example gets weight 0 anyway; on one side only: not affine.
+    both = ~torch.isfinite(yc) & ~torch.isfinite(pred)
+    return bool(torch.where(finite, ok, both).all())
+
+
+def _signature(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], y: torch.Tensor, w: torch.Tensor,
+               b: torch.Tensor | None) -> tuple[Any, ...]:
+    def describe(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.shape[1:]), x.dtype)
+        if isinstance(x, (int, float, bool, str, type(None))):
+            return x
+        return type(x).__name__
+
+    forward = getattr(module.forward, "__func__", module.forward)
+    return (forward, module.training, tuple(describe(x) for x in args), tuple(sorted((k, describe(v)) for k, v in kwargs.items())),
+            tuple(y.shape[1:]), y.dtype, w.dtype, None if b is None else b.dtype)
+
+
+def _fallback(module: nn.Module, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    warnings.warn(
+        f"clip_backend 'ghost'/'auto': {type(module).__name__} has a norm-like weight (one 1-D weight of its input's last "
+        f"dimension) but {reason}; its parameters take the per-module fallback (vmap of its vjp over examples: exact, "
+        "slower).",
+        SlowPathWarning,
+        stacklevel=_user_stacklevel(),
+    )
+    return "fallback", args, kwargs
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside opake_fx."""
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+__all__ = ["KIND", "affine_norm_grad", "is_candidate", "route"]
