@@ -391,3 +391,41 @@ def test_checkpoint_file_loads_with_plain_weights_only_torch_load(tmp_path):
 
 def test_errors_are_opake_errors():
     assert issubclass(CheckpointError, OpakeError) and issubclass(CheckpointError, ValueError)
+
+
+def test_a_run_built_by_a_plan_resumes_bit_identically(tmp_path):
+    from opake_fx.plan import DPPlan
+
+    plan = DPPlan(dataset_size=40, batch_size=8, steps=6, noise_multiplier=1.0, delta=1e-5)
+    x = torch.randn(40, 3, generator=torch.Generator().manual_seed(0))
+    y = x.sum(1)
+
+    def fresh():
+        pipeline = plan.pipeline(lambda p, xi, yi: (xi @ p["w"] - yi) ** 2, adam(0.1), key=key(1))
+        return plan.sampler(x, key(0)), pipeline, plan.accountant()
+
+    def step(idx, params, state, pipeline, acct):
+        acct.step(plan.step_cost)
+        updates, state = pipeline.update((x[idx], y[idx]), state, params)
+        return apply_updates(params, updates), state
+
+    sampler, pipeline, acct = fresh()
+    params, state = {"w": torch.zeros(3)}, pipeline.init({"w": torch.zeros(3)})
+    batches = iter(sampler)
+    for _ in range(2):
+        params, state = step(next(batches), params, state, pipeline, acct)
+    save_checkpoint(tmp_path / "c.pt", plan=plan, params=params, state=state, sampler=sampler, accountant=acct)
+    s0, p0, a0 = fresh()
+    ck = load_checkpoint(tmp_path / "c.pt", plan=plan, params={"w": torch.zeros(3)}, state=p0.init({"w": torch.zeros(3)}),
+                         sampler=s0, accountant=a0)
+    assert ck["plan"] == plan
+    resumed = iter(ck["sampler"])
+    pb, sb = ck["params"], ck["state"]
+    for _ in range(2):  # 4 of the 6 planned steps in all
+        ia, ib = next(batches), next(resumed)
+        assert ia == ib
+        params, state = step(ia, params, state, pipeline, acct)
+        pb, sb = step(ib, pb, sb, p0, ck["accountant"])
+    assert_trees_equal(pb, params)
+    assert_trees_equal(state_dict(sb), state_dict(state))
+    assert ck["accountant"].spent == acct.spent
