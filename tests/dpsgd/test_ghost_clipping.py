@@ -176,8 +176,8 @@ def test_module_called_without_batch_dimension() -> None:
             return self.head(torch.tanh(h)).squeeze(-1)
 
     ids = torch.randint(0, 9, (7, 5))
-    with pytest.warns(SlowPathWarning, match=r"pos\.weight: its module was called without the batch \(7\) as first "
-                      r"dimension: inputs \[\(5,\)\].*position_ids=torch\.arange\(T\)\.expand\(B, T\)"):
+    with pytest.warns(SlowPathWarning, match=r"pos\.weight: its module was called without the batch \(7 examples\) as first "
+                      r"dimension.*inputs \[\(5,\)\].*position_ids=torch\.arange\(T\)\.expand\(B, T\)"):
         check(Pos(), ids, torch.randn(7, 5, dtype=torch.float64))
 
 

@@ -110,7 +110,7 @@ def test_gpt2_default_position_ids_send_only_the_position_table_to_the_whole_los
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (B, T))
     with pytest.warns(SlowPathWarning, match=r"1 parameter\(s\).*transformer\.wpe\.weight: its module was called "
-                      r"without the batch \(5\) as first dimension"):
+                      r"without the batch \(5 examples\) as first dimension"):
         check(gpt2(), ids, ids, lambda fm, p, x, y: lm_losses(fm, p, x, batched_positions=False))
     assert fallbacks["whole"][0] == 2  # once per backend (for wpe alone)
     assert fallbacks["module"][0] == 0

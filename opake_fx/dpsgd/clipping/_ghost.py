@@ -39,8 +39,6 @@ would silently use the module's own, possibly stale, parameters).
 from __future__ import annotations
 
 import inspect
-import os
-import sys
 import warnings
 from typing import Any, Callable, Literal
 
@@ -53,7 +51,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from opake_fx.dpsgd.clipping import _affine_norm as AN
 from opake_fx.dpsgd.clipping import _embedding_bag as EB
 from opake_fx.dpsgd.clipping import _layers as L
-from opake_fx.dpsgd.clipping._compat import checkpoint_passthrough
+from opake_fx.dpsgd.clipping._provenance import BatchLayout, probe, signature, tensor_leaves
+from opake_fx.dpsgd.clipping._per_example import first_caller_outside_package, map_examples
 from opake_fx.dpsgd.clipping._engine import Backend, ClipConfig, PerExampleNorms, _diff_tree, batch_size_of, vmap_backend
 from opake_fx.errors import InputTypeError, InputValueError, OperationError, SlowPathWarning
 from opake_fx.functional import FunctionalModel
@@ -88,13 +87,31 @@ class _NormBackend:
         # Attention calls with dropout whose recomputation was checked (without dropout)
         # against the module: (module, call signature) -> whether it matched.
         self.attention_checked: dict[tuple[Any, ...], bool] = {}
+        # Batch layouts found by probing (see ._provenance), per call signature of the loss.
+        self.layouts: dict[Any, BatchLayout] = {}
+
+    def layout(self, loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: ClipConfig,
+               batch: int) -> BatchLayout:
+        """The batch layout for this call signature (probed once, then cached); refuses a model
+        that mixes examples."""
+        key = (id(loss_fn), signature(args, kwargs, cfg.batch_argnums, self.root.training))
+        layout = self.layouts.get(key)
+        if layout is None or (batch >= 2 and not layout.mixing_checked):
+            if len(self.layouts) >= 256:  # many shapes (e.g. unpadded sequences): keep the cache bounded
+                self.layouts.clear()
+            layout = probe(self.root, loss_fn, args, kwargs, cfg.batch_argnums, cfg.has_aux, batch)
+            self.layouts[key] = layout
+        if layout.mixing is not None:
+            raise InputValueError(layout.mixing)
+        return layout
 
     def __call__(self, loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: ClipConfig) -> PerExampleNorms:
         batch = batch_size_of(args, cfg)
         _, flat, treedef = tree_flatten_with_paths(_diff_tree(args, cfg))
         leaves = [x.detach().requires_grad_(True) for x in flat]
         run_args = _with_diff(args, cfg, optree.tree_unflatten(treedef, leaves))
-        capture = _Capture(self.root, leaves, batch, self.mode, self.attention_checked)
+        layout = self.layout(loss_fn, run_args, kwargs, cfg, batch) if batch else BatchLayout()
+        capture = _Capture(self.root, leaves, batch, self.mode, self.attention_checked, layout)
         try:
             with capture.forward():
                 out = loss_fn(*run_args, **kwargs)
@@ -173,13 +190,14 @@ class _NormBackend:
 class _Use:
     """One call of one module that used differentiated parameters."""
 
-    __slots__ = ("module", "kind", "names", "spec", "items", "positions", "n_out", "bound", "pending", "block")
+    __slots__ = ("module", "kind", "names", "spec", "items", "positions", "batched", "n_out", "bound", "pending", "block")
 
     def __init__(self, module: nn.Module, kind: str, names: dict[str, int]) -> None:
         self.module, self.kind, self.names = module, kind, names
         self.spec: Any = None  # fallback only: structure of (args, kwargs) and its non-tensor items
         self.items: list[Any] = []
         self.positions: list[int] = []  # where the saved tensors go in ``items``
+        self.batched: list[bool] = []  # fallback only: which saved tensors carry the batch axis first
         self.n_out = 0
         self.bound: dict[str, torch.Tensor] | None = None  # fallback only: params and buffers it used
         self.pending: tuple[tuple[torch.Tensor, ...], tuple[Any, ...]] | None = None  # fallback: (inputs, grads)
@@ -222,8 +240,9 @@ class _Capture:
     """Hooks, taps and per-leaf bookkeeping for one (micro)batch."""
 
     def __init__(self, root: nn.Module, leaves: list[torch.Tensor], batch: int, mode: str,
-                 attention_checked: dict[tuple[Any, ...], bool]) -> None:
+                 attention_checked: dict[tuple[Any, ...], bool], layout: BatchLayout) -> None:
         self.root, self.batch, self.mode = root, batch, mode
+        self.layout = layout  # which inputs and outputs of each call carry the batch axis
         self.attention_checked = attention_checked  # the backend's, kept across steps
         self.leaves = leaves
         self.index = {id(x): i for i, x in enumerate(leaves)}
@@ -310,14 +329,14 @@ class _Capture:
                 "example's gradient depends on the others and clipping it bounds nothing. Use GroupNorm or "
                 "LayerNorm (or put the BatchNorm in eval mode) for DP training."
             )
+        batched = self._verdict(module, args, kwargs, output)  # id(tensor) -> carries the batch axis first
         if isinstance(module, (nn.MultiheadAttention, nn.RNNBase)) and not module.batch_first:
             x = args[0] if args else kwargs.get("query", kwargs.get("input"))
-            if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] == self.batch:
+            if isinstance(x, torch.Tensor) and x.dim() == 3 and batched.get(id(x), False):
                 raise InputValueError(
                     f"{type(module).__name__}(batch_first=False) got an input of shape {tuple(x.shape)} whose first "
-                    f"dimension is the batch size {self.batch}: either the batch is first, and the module then "
-                    "mixes examples along it (one example's gradient would depend on the others), or the "
-                    "sequence length equals the batch size, and no layer can tell positions from examples. "
+                    f"dimension is the batch ({self.batch} examples): the module then runs along the batch as if "
+                    "it were the sequence and mixes examples (one example's gradient would depend on the others). "
                     "Build the module with batch_first=True and pass [batch, sequence, features]."
                 )
         names = {}
@@ -326,7 +345,7 @@ class _Capture:
             if i is not None:
                 names[n] = i
         if isinstance(module, nn.MultiheadAttention) and type(module).forward is nn.MultiheadAttention.forward:
-            replaced = self._attention(module, args, kwargs, output, names)
+            replaced = self._attention(module, args, kwargs, output, names, batched)
             if replaced is not None:
                 return replaced  # else: the module fallback, like any module without a rule
         if not names:
@@ -334,11 +353,12 @@ class _Capture:
         kind = _kind(module)
         single = isinstance(output, torch.Tensor)
         outputs = [output] if single else [o for o in optree.tree_leaves(output) if isinstance(o, torch.Tensor)]
-        if not _batched(kind, module, args, kwargs, outputs, self.batch):
+        if not _batched(kind, module, args, kwargs, outputs, batched):
             if self.recording:
                 self.whole.update(names.values())
                 shapes = [tuple(t.shape) for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-                reason = f"its module was called without the batch ({self.batch}) as first dimension: inputs {shapes}"
+                reason = (f"its module was called without the batch ({self.batch} examples) as first dimension of its "
+                          f"input and outputs, as found by probing (or undecidable): inputs {shapes}")
                 for n, i in names.items():
                     self.why.setdefault(i, (reason, module, n))
             return None
@@ -357,6 +377,7 @@ class _Capture:
             use.n_out = len(outputs)
             if kind == "fallback":
                 use.spec, use.positions = spec, positions
+                use.batched = [batched.get(id(items[k]), False) for k in positions]
                 use.items = [None if isinstance(t, torch.Tensor) else t for t in items]
                 use.bound = {**dict(module.named_parameters()), **dict(module.named_buffers())}
             self.uses.append(use)
@@ -372,8 +393,17 @@ class _Capture:
         it = iter(tapped)
         return optree.tree_unflatten(treedef, [next(it) if isinstance(t, torch.Tensor) else t for t in leaves])
 
+    def _verdict(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> dict[int, bool]:
+        """Which tensors of this call carry the batch axis first (by provenance: ._provenance);
+        empty when the layout cannot decide the call."""
+        inputs, outputs = tensor_leaves((args, kwargs)), tensor_leaves(output)
+        found = self.layout.lookup(module, inputs, outputs, self.batch)
+        if found is None:
+            return {}
+        return {id(t): v for t, v in zip(inputs + outputs, found[0] + found[1])}
+
     def _attention(self, module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
-                   names: dict[str, int]) -> Any:
+                   names: dict[str, int], batched: dict[int, bool]) -> Any:
         """Self- or cross-attention through ``nn.MultiheadAttention`` as tapped Linears.
 
         The module's output is recomputed from its packed input projection (one Linear
@@ -393,7 +423,7 @@ class _Capture:
         if call is None or not isinstance(output, tuple) or output[1] is not None:
             return None
         query, memory = call["query"], call["key"]
-        if query.dim() != 3 or memory.dim() != 3 or query.shape[0] != self.batch or memory.shape[0] != self.batch:
+        if query.dim() != 3 or memory.dim() != 3 or not (batched.get(id(query)) and batched.get(id(memory))):
             return None
         dropout = module.dropout if module.training else 0.0
         if dropout > 0 and not self._attention_matches_without_dropout(module, args, kwargs, call):
@@ -538,7 +568,8 @@ def _fallback_rule(use: _Use, names: dict[str, int], batch: int) -> Any:
     for k, t in zip(use.positions, saved):
         items[k] = t
     args, kwargs = optree.tree_unflatten(use.spec, items)
-    return L.module_per_example(use.module, use.bound or {}, list(names), tuple(args), kwargs, list(grads), batch)
+    return L.module_per_example(use.module, use.bound or {}, list(names), tuple(args), kwargs, list(grads), batch,
+                                [k for k, b in zip(use.positions, use.batched) if b])
 
 
 def _kind(module: nn.Module) -> str:
@@ -680,16 +711,18 @@ def _is_transformers_conv1d(t: type) -> bool:
 
 
 def _batched(kind: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-             outputs: list[torch.Tensor], batch: int) -> bool:
-    """Whether the call carries the batch as the first dimension of its input and outputs."""
-    if not outputs or any(o.dim() == 0 or o.shape[0] != batch for o in outputs):
+             outputs: list[torch.Tensor], batched: dict[int, bool]) -> bool:
+    """Whether the call carries the batch as the first dimension of its input and outputs,
+    by provenance (``batched``: id of each tensor of the call -> its verdict; empty when
+    the call is undecidable), never because a dimension happens to equal the batch size."""
+    if not outputs or not all(batched.get(id(o), False) for o in outputs):
         return False
     if kind == "fallback":
-        return any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch for t in optree.tree_leaves((args, kwargs)))
+        return any(batched.get(id(t), False) for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
     if kind in _PER_CALL:  # its rule reads only the output's rows (an embedding bag's input may be [N] ids)
         return True
     a = args[0] if args else kwargs.get("input")
-    if not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[0] != batch:
+    if not isinstance(a, torch.Tensor) or not batched.get(id(a), False):
         return False
     if kind in ("linear", "linear_t"):
         return a.dim() >= 2
@@ -749,17 +782,8 @@ def _warn_slow_path(root: nn.Module, mode: str, capture: _Capture, leaves: list[
         "layer rules, give every layer input the batch as first dimension (for position embeddings: "
         "position_ids=torch.arange(T).expand(B, T)) and use parameters only inside module calls.",
         SlowPathWarning,
-        stacklevel=_first_caller_outside_package(),
+        stacklevel=first_caller_outside_package(),
     )
-
-
-def _first_caller_outside_package() -> int:
-    """The ``stacklevel`` that points a warning at the user's line, not at opake_fx internals."""
-    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _whole_loss_per_example(loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: ClipConfig,
@@ -780,10 +804,8 @@ def _whole_loss_per_example(loss_fn: Callable[..., Any], args: tuple[Any, ...], 
         return (out[0] if cfg.has_aux else out).reshape(())
 
     in_dims = tuple(0 if i in cfg.batch_argnums else None for i in range(len(args)))
-    with checkpoint_passthrough():
-        grads = torch.func.vmap(torch.func.grad(one), in_dims=(None, *in_dims), randomness="different")(
-            tuple(base[k] for k in idx), *args
-        )
+    grads = map_examples(torch.func.grad(one), (None, *in_dims), (tuple(base[k] for k in idx), *args),
+                         batch_size_of(args, cfg), what="the whole-loss fallback")
     return dict(zip(idx, grads))
 
 

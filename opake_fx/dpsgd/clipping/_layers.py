@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opake_fx.dpsgd.clipping import _certified as cert
-from opake_fx.dpsgd.clipping._compat import checkpoint_passthrough
+from opake_fx.dpsgd.clipping._per_example import map_examples
 
 Method = Literal["ghost", "pe"]
 
@@ -626,16 +626,18 @@ def module_per_example(
     kwargs: dict[str, Any],
     grads_out: list[torch.Tensor | None],
     batch: int,
+    batched: list[int],
 ) -> PerExampleGrad:
     """Fallback rule: per-example gradients of ``diff_names`` by ``vmap`` of the module's vjp.
 
     ``bound`` holds every parameter and buffer the call used (names relative to
     ``module``); ``grads_out`` the gradient of each tensor output (``None``: no gradient
-    reached it). Tensor arguments whose first dimension is ``batch`` are split per
-    example; others are broadcast.
+    reached it). The tensor arguments at ``batched`` (flattened positions of ``(args,
+    kwargs)``, found by provenance, never by size) are split per example; others are
+    broadcast.
     """
     flat, spec = optree.tree_flatten((args, kwargs))
-    positions = [k for k, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch]
+    positions = list(batched)
     used = [k for k, go in enumerate(grads_out) if go is not None]
     diff = {n: bound[n].detach() for n in diff_names}
     const = {n: t.detach() for n, t in bound.items() if n not in diff}
@@ -657,8 +659,7 @@ def module_per_example(
         return PerExampleGrad({n: torch.zeros((batch, *diff[n].shape), dtype=diff[n].dtype, device=diff[n].device) for n in diff_names})
     xs = tuple(flat[k] for k in positions)
     gs = tuple(grads_out[k] for k in used)
-    with checkpoint_passthrough():
-        return PerExampleGrad(dict(torch.func.vmap(one, randomness="different")(xs, gs)))
+    return PerExampleGrad(dict(map_examples(one, (0, 0), (xs, gs), batch, what=f"the fallback of {type(module).__name__}")))
 
 
 def choose_method(mode: str, t: int, d_in: int, d_out: int) -> Method:

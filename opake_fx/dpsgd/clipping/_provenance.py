@@ -1,0 +1,215 @@
+"""Which module inputs and outputs carry the batch axis, decided by provenance, not by size.
+
+The fast backends read each layer's input and output gradient row by row, one row per
+example. A tensor whose first dimension merely *equals* the batch size is not batched:
+T5's relative-attention buckets are ``[T, T]``, and with Poisson sampling the batch size
+eventually equals ``T``. So the batch axis is found by how tensors depend on the batch:
+the loss is run (without gradients, in eval mode) on sub-batches of 2 and of 3
+examples, every call of a module that owns parameters is recorded, and a tensor's first
+axis is batched if it is 2 in the first run and 3 in the second. A constant dimension
+cannot be both. The verdicts are kept per module as shape templates (batched first axis
+free, every other dimension fixed) and cached per call signature of the loss; a call in
+the real batch is decided by the template it matches. A call that matches no template,
+or templates that disagree, is undecidable: its parameters take the exact whole-loss
+fallback (with a :class:`~opake_fx.errors.SlowPathWarning`), never a guess.
+
+The same two runs check that the model does not mix examples: examples 0 and 1 must get
+the same losses whether or not example 2 is in the batch. A parameter-free operation
+across the batch (``h - h.mean(0)``) fails that check, and the fast backends refuse the
+model with an error naming the first module call whose input already differed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import optree
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from opake_fx.pytree import NAMESPACE
+
+Shape = tuple[int, ...]
+# One entry per tensor leaf: (k, shape). k = 1: the first axis is the batch (shape: the other
+# axes); k > 1: the first axis is k per example, e.g. a [B * heads, T, S] mask (not the batch
+# axis, but it matches only at k * B); k = 0: no batch dependence (shape: the whole shape);
+# k = -1: depends on the batch some other way (matches nothing).
+Template = tuple[tuple[int, Shape], ...]
+
+# Sub-batch sizes of the two probe runs.
+_SIZES = (2, 3)
+# Relative difference of a loss (or a module input) between the probe runs that counts as
+# mixing; batch-size-dependent kernels differ far less (~1e-6 in float32).
+_MIXING_RTOL = 1e-3
+
+
+@dataclass
+class _Call:
+    module: nn.Module
+    inputs: list[Shape]  # tensor leaves of (args, kwargs), in flattening order
+    outputs: list[Shape]
+    rows: torch.Tensor | None  # float64 [2, 2]: sum and abs-sum of rows 0 and 1 of the first float input
+
+
+@dataclass
+class BatchLayout:
+    """The probe's verdicts for one call signature of the loss."""
+
+    templates: dict[int, list[tuple[Template, Template, tuple[bool, ...], tuple[bool, ...]]]] = field(default_factory=dict)
+    mixing: str | None = None  # an error message, when the model mixes examples
+    mixing_checked: bool = False
+
+    def lookup(self, module: nn.Module, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+               batch: int) -> tuple[tuple[bool, ...], tuple[bool, ...]] | None:
+        """``(inputs batched, outputs batched)`` for a call in a batch of ``batch``, or None if undecidable."""
+        found = None
+        for tin, tout, vin, vout in self.templates.get(id(module), []):
+            if _matches(tin, inputs, batch) and _matches(tout, outputs, batch):
+                if found is not None and found != (vin, vout):
+                    return None  # two templates fit with different verdicts: no guess
+                found = (vin, vout)
+        return found
+
+
+def probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+          batch_argnums: tuple[int, ...], has_aux: bool, batch: int) -> BatchLayout:
+    """Runs the loss on sub-batches of 2 and 3 examples and derives the batch layout.
+
+    Returns an empty layout (every call undecidable) when the loss cannot run on the
+    sub-batches or the two runs call different modules.
+    """
+    runs: list[tuple[list[_Call], torch.Tensor | None]] = []
+    modes = [(m, m.training) for m in root.modules()]
+    try:
+        root.eval()  # deterministic: dropout off (the shapes do not depend on it)
+        for n in _SIZES:
+            index = torch.arange(n) % batch
+            sub = tuple(
+                optree.tree_map(lambda t: t[index.to(t.device)], a, namespace=NAMESPACE) if i in batch_argnums else a
+                for i, a in enumerate(args)
+            )
+            calls: list[_Call] = []
+            handles = [m.register_forward_hook(_recorder(calls), with_kwargs=True)
+                       for m in root.modules() if m._parameters or isinstance(m, _BatchNorm)]
+            try:
+                with torch.no_grad():
+                    out = loss_fn(*sub, **kwargs)
+            except Exception:  # noqa: BLE001 - a loss that cannot run on a sub-batch: undecidable
+                return BatchLayout()
+            finally:
+                for h in handles:
+                    h.remove()
+            losses = out[0] if has_aux and isinstance(out, tuple) else out
+            runs.append((calls, losses.detach().double() if isinstance(losses, torch.Tensor) else None))
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    (small, loss_small), (large, loss_large) = runs
+    if len(small) != len(large) or any(a.module is not b.module or len(a.inputs) != len(b.inputs)
+                                       or len(a.outputs) != len(b.outputs) for a, b in zip(small, large)):
+        return BatchLayout()
+    layout = BatchLayout()
+    for a, b in zip(small, large):
+        tin, vin = _template(a.inputs, b.inputs)
+        tout, vout = _template(a.outputs, b.outputs)
+        entry = (tin, tout, vin, vout)
+        if entry not in layout.templates.setdefault(id(a.module), []):
+            layout.templates[id(a.module)].append(entry)
+    if batch >= 2:  # with one distinct example nothing can mix
+        layout.mixing_checked = True
+        layout.mixing = _mixing(root, small, large, loss_small, loss_large)
+    return layout
+
+
+def signature(args: tuple[Any, ...], kwargs: dict[str, Any], batch_argnums: tuple[int, ...], training: bool) -> Any:
+    """A hashable key: what the layout may depend on, with the batch size left out."""
+
+    def leaf(x: Any, batched: bool) -> Any:
+        if isinstance(x, torch.Tensor):
+            return (tuple(x.shape[1:]) if batched else tuple(x.shape), x.dtype, x.device.type, batched)
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return (type(x).__name__, x)
+        return (type(x).__name__, id(x))
+
+    parts = []
+    for i, a in enumerate(args):
+        leaves, spec = optree.tree_flatten(a, namespace=NAMESPACE)
+        parts.append((str(spec), tuple(leaf(x, i in batch_argnums) for x in leaves)))
+    leaves, spec = optree.tree_flatten(kwargs, namespace=NAMESPACE)
+    parts.append((str(spec), tuple(leaf(x, False) for x in leaves)))
+    return (training, tuple(parts))
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensor leaves of ``tree`` in flattening order (how calls are recorded)."""
+    return [t for t in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(t, torch.Tensor)]
+
+
+# --- private helpers ---------------------------------------------------------------
+
+
+def _recorder(calls: list[_Call]) -> Callable[..., None]:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        inputs = tensor_leaves((args, kwargs))
+        first = next((t for t in inputs if t.is_floating_point() and t.dim() > 0 and t.shape[0] >= 2), None)
+        rows = None
+        if first is not None:
+            r = first[:2].reshape(2, -1).double()
+            rows = torch.stack([r.sum(dim=1), r.abs().sum(dim=1)])
+        calls.append(_Call(module, [tuple(t.shape) for t in inputs], [tuple(t.shape) for t in tensor_leaves(output)], rows))
+
+    return hook
+
+
+def _template(small: list[Shape], large: list[Shape]) -> tuple[Template, tuple[bool, ...]]:
+    entries, verdicts = [], []
+    n1, n2 = _SIZES
+    for s, l in zip(small, large):
+        k = s[0] // n1 if len(s) > 0 and len(l) > 0 and s[0] % n1 == 0 else 0
+        if k > 0 and l[0] == k * n2 and s[1:] == l[1:]:
+            entries.append((k, s[1:]))
+        elif s == l:
+            entries.append((0, s))
+        else:  # depends on the batch some other way (e.g. flattened B * T + 1): matches nothing
+            entries.append((-1, s))
+        verdicts.append(bool(entries[-1][0] == 1))
+    return tuple(entries), tuple(verdicts)
+
+
+def _matches(template: Template, tensors: list[torch.Tensor], batch: int) -> bool:
+    if len(template) != len(tensors):
+        return False
+    for (k, shape), t in zip(template, tensors):
+        if k > 0:
+            if t.dim() == 0 or t.shape[0] != k * batch or tuple(t.shape[1:]) != shape:
+                return False
+        elif k < 0 or tuple(t.shape) != shape:
+            return False
+    return True
+
+
+def _mixing(root: nn.Module, small: list[_Call], large: list[_Call], loss_small: torch.Tensor | None,
+            loss_large: torch.Tensor | None) -> str | None:
+    if loss_small is None or loss_large is None or loss_small.shape != (2,) or loss_large.shape != (3,):
+        return None  # not per-example losses: the backend reports that itself
+    scale = float(loss_large.abs().max()) + 1e-30
+    diff = float((loss_small - loss_large[:2]).abs().max())
+    if diff <= _MIXING_RTOL * scale:
+        return None
+    paths = {id(m): p or type(m).__name__ for p, m in root.named_modules()}
+    where = ""
+    for a, b in zip(small, large):
+        if a.rows is None or b.rows is None:
+            continue
+        if float((a.rows - b.rows).abs().max()) > _MIXING_RTOL * (float(b.rows.abs().max()) + 1e-30):
+            where = f" It happens before the call of module '{paths.get(id(a.module), '?')}', whose input for examples 0 and 1 already differs."
+            break
+    return (
+        "the model mixes examples: the losses of examples 0 and 1 change when example 2 joins the batch "
+        f"({loss_small.tolist()} alone vs {loss_large[:2].tolist()} with it; eval mode, no dropout).{where} The fast "
+        "clipping backends ('ghost', 'auto') take row i of each layer's output gradient as example i's, which "
+        "holds only if no computation combines examples (batch statistics such as h - h.mean(0), or "
+        "BatchNorm in training). Remove the mixing, or use clip_backend='vmap', which runs each example alone."
+    )
