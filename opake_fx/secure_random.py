@@ -80,11 +80,13 @@ def secure_normal(shape: Sequence[int]) -> torch.Tensor:
         torch.Size([2, 3])
     """
     n = math.prod(shape)
-    u = secure_uniform(_SUMMANDS * n).view(2, _SUMMANDS // 2, n)
-    radius = torch.sqrt(-2.0 * torch.log(u[0]))
-    angle = (2.0 * math.pi) * u[1]
-    z = torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])  # (4, n) independent normals
-    return (z.sum(0) / math.sqrt(_SUMMANDS)).view(tuple(shape))
+    u = secure_uniform(_SUMMANDS * n).view(_SUMMANDS, n)
+    total = torch.zeros(n, dtype=torch.float64)
+    for pair in range(_SUMMANDS // 2):  # one Box-Muller pair gives two independent normals
+        radius = torch.sqrt(-2.0 * torch.log(u[2 * pair]))
+        angle = (2.0 * math.pi) * u[2 * pair + 1]
+        total += radius * (torch.cos(angle) + torch.sin(angle))
+    return (total / math.sqrt(_SUMMANDS)).view(tuple(shape))
 
 
 def snap_grid(std: float) -> float:

@@ -193,6 +193,15 @@ def flatten_into(obj: Any, path: str, out: dict[str, Any], *, copy: bool) -> Non
     """Adds ``obj``'s entries under ``path`` to ``out`` (what :func:`state_dict` does).
 
     ``copy=False`` keeps the tensors themselves (for writing a file right away).
+
+    Privacy: none by itself (see :func:`state_dict`).
+
+    Example:
+        >>> import torch
+        >>> out = {}
+        >>> flatten_into((torch.ones(1), 3), "opt", out, copy=False)
+        >>> sorted(out)
+        ['opt/0', 'opt/1']
     """
     serializer = serializer_for(type(obj))
     if serializer is not None:
@@ -217,7 +226,17 @@ def flatten_into(obj: Any, path: str, out: dict[str, Any], *, copy: bool) -> Non
 
 
 def serializer_for(cls: type) -> _Serializer | None:
-    """The serializer registered for ``cls`` or its nearest base class, if any."""
+    """The serializer registered for ``cls`` or its nearest base class, if any.
+
+    Privacy: none (a registry lookup).
+
+    Example:
+        >>> from opake_fx.dpsgd.sampling import TruncatedPoissonSampler
+        >>> serializer_for(TruncatedPoissonSampler) is serializer_for(TruncatedPoissonSampler.__mro__[1])
+        True
+        >>> serializer_for(dict) is None
+        True
+    """
     _load_builtins()
     for base in cls.__mro__:
         if base in _SERIALIZERS:
