@@ -1,9 +1,11 @@
 """Digits at epsilon 3 with a DPPlan: sampler, pipeline and accountant from one value.
 
 The same run as `examples/demo.py` (convnet, Poisson batches of 128, clip 1, SGD with
-momentum, 20 epochs, (3, 1e-5)-DP), with the wiring done by `opake_fx.plan.DPPlan`.
+momentum, 20 epochs, (3, 1e-5)-DP), with the wiring done by `opake_fx.plan.DPPlan`; or
+DP-FTRL with a 4-band BandMF strategy, cyclic Poisson batches of 32, same budget.
 
-    python examples/plan_digits.py
+    python examples/plan_digits.py              # DP-SGD, 20 epochs
+    python examples/plan_digits.py 20 band_mf   # DP-FTRL (BandMF, amplified by cyclic Poisson)
 """
 
 from __future__ import annotations
@@ -22,23 +24,27 @@ from opake_fx.random import key
 from opake_fx.transforms import apply_updates
 
 
-def train(train_set: TensorDataset, epsilon: float = 3.0, epochs: float = 20.0, seed: int = 0):
+def train(train_set: TensorDataset, epsilon: float = 3.0, epochs: float = 20.0, seed: int = 0, mechanism: str = "gaussian"):
     torch.manual_seed(seed)
     fmodel, params = make_functional(nn.Sequential(
         nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
         nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(512, 10)))
     loss_fn = lambda p, x, y: F.cross_entropy(fmodel(p, x), y, reduction="none")  # noqa: E731  per-example losses
-    plan = DPPlan(dataset_size=len(train_set), batch_size=128, epochs=epochs, clipping_norm=1.0,
-                  target_epsilon=epsilon, delta=1e-5, clip_backend="auto")
+    plan = DPPlan(dataset_size=len(train_set), epochs=epochs, clipping_norm=1.0, target_epsilon=epsilon, delta=1e-5,
+                  clip_backend="auto", **(MF if mechanism == "band_mf" else {"batch_size": 128}))
     pipeline = plan.pipeline(loss_fn, sgd(0.1, momentum=0.9), key=key(seed), model=fmodel)
     accountant, state = plan.accountant(), pipeline.init(params)
     collate = empty_collate(default_collate)
     collate([train_set[0]])  # the template for (rare) empty Poisson batches
-    for xb, yb in DataLoader(train_set, batch_sampler=plan.sampler(train_set, key(seed + 1)), collate_fn=collate):
-        accountant.step(plan.step_cost)  # refuses (before the update) a step beyond the budget
+    batches = DataLoader(train_set, batch_sampler=plan.sampler(train_set, key(seed + 1)), collate_fn=collate)
+    for step, (xb, yb) in enumerate(batches):
+        accountant.step(plan.step_cost_at(step))  # refuses (before the update) a step beyond the budget
         updates, state = pipeline.update((xb, yb), state, params)
         params = apply_updates(params, updates)
     return fmodel, params, plan, accountant
+
+
+MF = {"mechanism": "band_mf", "bands": 4, "sampling": "cyclic_poisson", "batch_size": 32}
 
 
 def digits(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
@@ -56,12 +62,13 @@ def digits(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
 
 def main(argv: list[str] | None = None) -> float:
     epochs = float(argv[0]) if argv else 20.0
+    mechanism = argv[1] if argv and len(argv) > 1 else "gaussian"
     torch.set_num_threads(min(2, torch.get_num_threads()))
     train_set, test_set = digits()
-    fmodel, params, plan, accountant = train(train_set, epochs=epochs)
+    fmodel, params, plan, accountant = train(train_set, epochs=epochs, mechanism=mechanism)
     with torch.no_grad():
         acc = (fmodel(params, test_set.tensors[0]).argmax(-1) == test_set.tensors[1]).float().mean().item()
-    print(f"noise multiplier {plan.noise_multiplier:.4f}, {plan.steps} steps; epsilon spent "
+    print(f"{plan.mechanism}: noise multiplier {plan.noise_multiplier:.4f}, {plan.steps} steps; epsilon spent "
           f"{accountant.spent_epsilon(plan.delta):.4f} of {plan.target_epsilon}; test accuracy {acc:.3f}")
     return acc
 

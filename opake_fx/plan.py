@@ -36,11 +36,11 @@ from opake_fx.random import RngKey, fold_in
 
 __all__ = ["DPPlan", "SAMPLERS", "MECHANISMS"]
 
-SAMPLERS = ("poisson", "truncated_poisson")
+SAMPLERS = ("poisson", "truncated_poisson", "cyclic_poisson")
 """The samplers a plan can use; each comes with its own accounting."""
 
-MECHANISMS = ("gaussian",)
-"""The noise mechanisms a plan can use."""
+MECHANISMS = ("gaussian", "band_mf")
+"""The noise mechanisms a plan can use: DP-SGD's Gaussian, or DP-FTRL with a BandMF strategy."""
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,15 @@ class DPPlan:
             asked for.
         noise_multiplier: sigma; the noise stddev is ``sigma * C / batch_size``.
         sampling: ``"poisson"`` or ``"truncated_poisson"`` (batches capped at
-            ``max_batch_size``, accounted by ``truncated_poisson``).
+            ``max_batch_size``, accounted by ``truncated_poisson``) for the Gaussian
+            mechanism; ``"cyclic_poisson"`` for ``"band_mf"`` (the data split into
+            ``bands`` keyed groups, step ``t`` Poisson-samples group ``t mod bands`` at
+            :attr:`group_rate`, so an example participates at least ``bands`` steps apart).
         max_batch_size: the cap of ``"truncated_poisson"``.
-        mechanism: ``"gaussian"``.
+        mechanism: ``"gaussian"`` (DP-SGD) or ``"band_mf"`` (DP-FTRL with a ``bands``-banded
+            BandMF strategy over ``steps``, accounted as amplified BandMF:
+            :func:`opake_fx.dpftrl.accounting.poisson`).
+        bands: the number of bands of ``"band_mf"``.
         clip_backend: ``"vmap"``, ``"ghost"`` or ``"auto"`` (see ``clipped_grad``).
         accountant_kind: ``"pld"`` (default) or ``"rdp"``: how epsilon is measured.
 
@@ -98,6 +104,7 @@ class DPPlan:
     sampling: str = "poisson"
     max_batch_size: int | None = None
     mechanism: str = "gaussian"
+    bands: int | None = None
     clip_backend: str = "vmap"
     accountant_kind: str = "pld"
 
@@ -110,6 +117,26 @@ class DPPlan:
             raise InputValueError(f"DPPlan: clipping_norm must be finite and > 0; got {c}.")
         _choice(self.sampling, "sampling", SAMPLERS)
         _choice(self.mechanism, "mechanism", MECHANISMS)
+        if self.mechanism == "band_mf":
+            if self.sampling != "cyclic_poisson":
+                raise InputValueError(
+                    "DPPlan(mechanism='band_mf') needs sampling='cyclic_poisson': its accounting (amplified BandMF) "
+                    "assumes each example participates at most once every `bands` steps."
+                )
+            bands = _int(self.bands, "bands", 1) if self.bands is not None else None
+            if bands is None:
+                raise InputValueError("DPPlan(mechanism='band_mf') needs bands (e.g. 4): the strategy's band count.")
+            if b * bands > n:
+                raise InputValueError(
+                    f"DPPlan: batch_size * bands = {b * bands} exceeds dataset_size={n}: each of the {bands} groups "
+                    "cannot supply the expected batch. Use fewer bands or a smaller batch."
+                )
+            object.__setattr__(self, "bands", bands)
+        else:
+            if self.sampling == "cyclic_poisson":
+                raise InputValueError("DPPlan: sampling='cyclic_poisson' goes with mechanism='band_mf'.")
+            if self.bands is not None:
+                raise InputValueError("DPPlan: bands applies to mechanism='band_mf' only.")
         _choice(self.clip_backend, "clip_backend", ("vmap", "ghost", "auto"))
         _choice(self.accountant_kind, "accountant_kind", ("pld", "rdp"))
         cap = None
@@ -160,13 +187,19 @@ class DPPlan:
         start, stop = shard_bounds(self.dataset_size, rank, world_size)
         local_key = fold_in(key, rank) if world_size > 1 else key
         shard = range(start, stop)
-        if self.sampling == "truncated_poisson":
+        if self.sampling == "cyclic_poisson":
+            from opake_fx.dpftrl.sampling import CyclicPoissonSampler
+
+            inner: Any = CyclicPoissonSampler(
+                shard, sample_rate=self.group_rate, partitions=self.bands, n_steps=self.steps, key=local_key
+            )
+        elif self.sampling == "truncated_poisson":
             if world_size > 1:
                 raise InputValueError(
                     "DPPlan: sampling='truncated_poisson' caps the whole batch, which ranks sampling their shards "
                     "independently cannot do; use sampling='poisson' under a process group."
                 )
-            inner: Any = TruncatedPoissonSampler(
+            inner = TruncatedPoissonSampler(
                 shard, sample_rate=self.sample_rate, n_steps=self.steps, key=local_key, max_batch_size=self.max_batch_size
             )
         else:
@@ -200,22 +233,71 @@ class DPPlan:
         from opake_fx.dpsgd import clip, noise
         from opake_fx.transforms import named_chain
 
+        if self.mechanism == "band_mf":
+            from opake_fx.dpftrl import noise as mf_noise
+
+            # per-participation sensitivity (min_sep=1, max_participations=1): what amplified BandMF assumes
+            noise_stage = mf_noise(self.strategy, noise_multiplier=self.noise_multiplier, key=key)
+        else:
+            noise_stage = noise(noise_multiplier=self.noise_multiplier, key=key)
         return named_chain(
             ("clip", clip(loss_fn, clipping_norm=self.clipping_norm, normalize_by=self.batch_size,
                           batch_argnums=tuple(batch_argnums), clip_backend=self.clip_backend, model=model)),
             ("psum", psum()),
-            ("noise", noise(noise_multiplier=self.noise_multiplier, key=key)),
+            ("noise", noise_stage),
             ("opt", optimizer),
         )
 
     @property
     def step_cost(self) -> Any:
-        """The :class:`~opake_fx.accounting.DpProcess` of one step (the sampler's and the noise's)."""
+        """The :class:`~opake_fx.accounting.DpProcess` of one step (the sampler's and the noise's).
+
+        For ``"band_mf"`` the cost differs from step to step: use :meth:`step_cost_at`.
+        """
+        if self.mechanism == "band_mf":
+            raise InputValueError(
+                "DPPlan.step_cost: a band_mf plan charges its opportunities every `bands` steps; use "
+                "plan.step_cost_at(step) (what the accountant charges at that step)."
+            )
+        return self.step_cost_at(0)
+
+    def step_cost_at(self, step: int) -> Any:
+        """What step ``step`` (from 0) costs: charge it to the accountant before releasing the step.
+
+        Gaussian: ``step_cost`` at every step. ``band_mf``: one Poisson-subsampled
+        Gaussian opportunity at steps ``0, bands, 2 * bands, ...`` (the worst-placed
+        example's group), nothing in between; the increments compose to the whole run.
+        """
+        t = _int(step, "step", 0)
+        if t >= self.steps:
+            raise InputValueError(f"DPPlan.step_cost_at: step must be < steps={self.steps}; got {t}.")
         if self.noise_multiplier == 0:
             from opake_fx.accounting import nonprivate
 
             return nonprivate()
+        if self.mechanism == "band_mf":
+            from opake_fx.accounting import identity
+
+            return self._opportunity(self.noise_multiplier) if t % self.bands == 0 else identity()
         return self._step(self.noise_multiplier)
+
+    @property
+    def group_rate(self) -> float:
+        """The Poisson rate within the active group (``batch_size * bands / dataset_size``; ``sample_rate`` for one group)."""
+        return self.sample_rate * (self.bands or 1)
+
+    @property
+    def strategy(self) -> Any:
+        """The BandMF strategy of a ``"band_mf"`` plan (built once, ``bands`` bands over ``steps``)."""
+        if self.mechanism != "band_mf":
+            raise InputValueError("DPPlan.strategy: only a mechanism='band_mf' plan has a strategy.")
+        cached = self.__dict__.get("_strategy")
+        if cached is None:
+            from opake_fx.dpftrl import band_mf_strategy
+
+            cached = band_mf_strategy(self.steps, self.bands)
+            self.__dict__["_strategy"] = cached  # a cache, not a field: equality and to_dict ignore it
+        return cached
 
     def accountant(self) -> Any:
         """An :class:`~opake_fx.accounting.Accountant` with the plan's budget.
@@ -245,15 +327,29 @@ class DPPlan:
         """
         delta = self._need_delta("epsilon")
         n = self.steps if steps is None else _int(steps, "steps", 0)
+        if n > self.steps:
+            raise InputValueError(f"DPPlan.epsilon: the plan has {self.steps} steps; got steps={n}.")
         if self.noise_multiplier == 0:
             return math.inf if n > 0 else 0.0
-        return (self._step(self.noise_multiplier) * n).epsilon_at(delta, accountant=self.accountant_kind)
+        return self._run(self.noise_multiplier, n).epsilon_at(delta, accountant=self.accountant_kind)
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's fields as plain data (``DPPlan(**d)`` rebuilds it without recalibrating)."""
         return dataclasses.asdict(self)
 
     # --- private -----------------------------------------------------------------------
+
+    def _run(self, nm: float, n: int) -> Any:
+        """The DpProcess of the first ``n`` steps at noise multiplier ``nm``."""
+        if self.mechanism == "band_mf":
+            return self._opportunity(nm) * -(-n // self.bands)  # ceil(n / bands) opportunities
+        return self._step(nm) * n
+
+    def _opportunity(self, nm: float) -> Any:
+        import opake_fx.dpftrl.accounting as mf_acc
+
+        # one Poisson-subsampled Gaussian per opportunity; the run is ceil(steps / bands) of them
+        return mf_acc.poisson_steps(nm, self.strategy, self.group_rate, partitions=self.bands)[0]
 
     def _step(self, nm: float) -> Any:
         import opake_fx.dpsgd.accounting as dpsgd_acc
@@ -291,13 +387,13 @@ class DPPlan:
             raise InputValueError("DPPlan: target_epsilon needs delta (e.g. 1e-5, below 1 / dataset_size).")
         budget = acc.epsilon_budget(eps, delta, accountant=self.accountant_kind)
         if nm is not None:  # e.g. rebuilt from to_dict(): check instead of recalibrating
-            if nm == 0 or not budget.is_met_by(self._step(nm) * self.steps):
+            if nm == 0 or not budget.is_met_by(self._run(nm, self.steps)):
                 raise InputValueError(
                     f"DPPlan: noise_multiplier={nm} does not meet target_epsilon={eps} at delta={delta} over "
                     f"{self.steps} steps at sample rate {self.sample_rate}. Leave noise_multiplier out to calibrate it."
                 )
             return nm
-        return float(acc.calibrate(budget, lambda s: self._step(s) * self.steps).param)
+        return float(acc.calibrate(budget, lambda s: self._run(s, self.steps)).param)
 
 
 class _Offset:

@@ -155,3 +155,61 @@ def test_the_readme_plan_example_runs_as_written():
     plan, accountant = namespace["plan"], namespace["accountant"]
     assert plan.steps == 50 and accountant.spent == plan.step_cost * 50
     assert accountant.spent_epsilon(1e-5) <= 3.0
+
+
+def _mf_plan(**kw) -> DPPlan:
+    args = dict(dataset_size=1000, batch_size=25, steps=40, target_epsilon=2.0, delta=1e-5, mechanism="band_mf",
+                bands=4, sampling="cyclic_poisson")
+    args.update(kw)
+    return DPPlan(**args)
+
+
+def test_a_dpftrl_plan_trains_and_its_accountant_spends_the_whole_run_value_computed_by_hand():
+    import opake_fx.dpftrl.accounting as mf_acc
+    from opake_fx.dpftrl import band_mf_strategy
+    from opake_fx.dpftrl.sampling import CyclicPoissonSampler
+
+    plan = _mf_plan()
+    assert plan.group_rate == pytest.approx(25 * 4 / 1000)
+    by_hand = mf_acc.poisson(plan.noise_multiplier, band_mf_strategy(40, 4), 0.1, partitions=4)
+    assert 2.0 * (1 - 1e-3) <= by_hand.epsilon_at(1e-5) <= 2.0
+    sampler = plan.sampler(list(range(1000)), key(1))
+    assert isinstance(sampler, CyclicPoissonSampler) and (sampler.partitions, sampler.n_steps) == (4, 40)
+    f = lambda p, x: ((x - p) ** 2).sum()  # noqa: E731
+    pipeline = plan.pipeline(f, sgd(0.1), key=key(0), batch_argnums=(1,))
+    assert pipeline.privacy_report().mechanism == "mf_gaussian"
+    accountant, state, p = plan.accountant(), pipeline.init(torch.zeros(3)), torch.zeros(3)
+    data = torch.randn(1000, 3, generator=torch.Generator().manual_seed(0)) + 2.0
+    for step, batch in enumerate(sampler):
+        accountant.step(plan.step_cost_at(step))
+        updates, state = pipeline.update((data[batch],), state, p)
+        p = apply_updates(p, updates)
+    assert accountant.spent == by_hand  # ceil(40 / 4) Poisson-subsampled Gaussian opportunities
+    assert accountant.spent_epsilon(1e-5) == pytest.approx(by_hand.epsilon_at(1e-5), rel=1e-9)
+    assert plan.epsilon() == by_hand.epsilon_at(1e-5) and state["noise"].step == 40
+    assert float(p.norm()) > 0  # it moved toward the data
+    with pytest.raises(InputValueError, match="step_cost_at"):
+        plan.step_cost  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"sampling": "poisson"}, "needs sampling='cyclic_poisson'"),
+        ({"bands": None}, "needs bands"),
+        ({"batch_size": 300}, "exceeds dataset_size"),
+        ({"mechanism": "gaussian"}, "goes with mechanism='band_mf'"),
+        ({"mechanism": "gaussian", "sampling": "poisson"}, "bands applies"),
+    ],
+)
+def test_dpftrl_plan_fields_must_fit_together(kw, match):
+    with pytest.raises(InputValueError, match=match):
+        _mf_plan(**kw)
+
+
+def test_the_digits_script_trains_a_dpftrl_plan(capsys):
+    pytest.importorskip("sklearn")
+    acc_ = _script().main(["1", "band_mf"])
+    out = capsys.readouterr().out
+    assert acc_ > 0.2 and "band_mf" in out
+    assert float(out.split("epsilon spent ")[1].split(" ")[0]) <= 3.0
