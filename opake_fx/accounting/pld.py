@@ -318,29 +318,35 @@ def _composed(components: tuple[tuple[Any, int], ...], d: float) -> PrivacyLossD
         return PrivacyLossDistribution(_pmf.unit(d))
     if any(math.isinf(leaf._gaussian_mu() or 0.0) for leaf, _ in components):
         return PrivacyLossDistribution(_Pmf(d, 0, np.array([0.0]), 1.0))
+    if len(components) <= _FOURIER_PARTS:
+        singles = [(_single(leaf, d), k) for leaf, k in components]
+        remove = _compose([(r, k) for (r, _), k in singles])
+        if all(a is None for (_, a), _ in singles):
+            return PrivacyLossDistribution(remove)
+        add = _compose([(a if a is not None else r, k) for (r, a), k in singles])
+        return PrivacyLossDistribution(remove, add)
     symmetric = all(_single(leaf, d)[1] is None for leaf, _ in components)
-    remove = _compose_many(components, d, 0)
-    return PrivacyLossDistribution(remove, None if symmetric else _compose_many(components, d, 1))
+    remove = _grouped_tree(components, d, 0)
+    return PrivacyLossDistribution(remove, None if symmetric else _grouped_tree(components, d, 1))
 
 
-def _compose_many(components: tuple[tuple[Any, int], ...], d: float, pair: int) -> _Pmf:
-    """One pair's composed PMF (``pair``: 0 remove, 1 add; symmetric steps give their one PMF).
+def _grouped_tree(components: tuple[tuple[Any, int], ...], d: float, pair: int) -> _Pmf:
+    """One pair's PMF (0: remove, 1: add) of a composition of many distinct steps.
 
-    Up to ``_FOURIER_PARTS`` distinct steps: one product in the Fourier domain
-    (:func:`_compose`). More: each distinct step is self-composed by repeated squaring
-    (its own window), and the groups are convolved in a balanced tree
-    (:func:`_pmf.compose_balanced`), streamed so memory stays at ``log2 K`` PMFs; the
-    product of thousands of spectra would need a window search over all of them and
-    extended precision (its rounding bound grows with the total step count).
+    Up to ``_FOURIER_PARTS`` distinct steps are one product in the Fourier domain
+    (:func:`_compose`). With more, each distinct step is self-composed by repeated
+    squaring in its own window, and the groups are convolved in a balanced tree
+    (:func:`_pmf.compose_balanced`: a rounding bound of each bin's order, Chernoff cuts),
+    streamed so that memory stays at ``log2 K`` PMFs. One product of thousands of spectra
+    would need a window search over all of them and extended precision (its uniform
+    rounding bound grows with the total step count).
     """
 
-    def pmf(leaf: Any) -> _Pmf:
+    def group(leaf: Any, k: int) -> _Pmf:
         remove, add = _single(leaf, d)
-        return add if pair == 1 and add is not None else remove
+        return _compose([(add if pair == 1 and add is not None else remove, k)])
 
-    if len(components) <= _FOURIER_PARTS:
-        return _compose([(pmf(leaf), k) for leaf, k in components])
-    return _pmf.compose_balanced(_compose([(pmf(leaf), k)]) for leaf, k in components)
+    return _pmf.compose_balanced(group(leaf, k) for leaf, k in components)
 
 
 def clear_caches() -> None:

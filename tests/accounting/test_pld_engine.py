@@ -13,7 +13,7 @@ from scipy import special
 
 import opake_fx.accounting as acc
 import opake_fx.dpsgd.accounting as dpsgd_acc
-from opake_fx.accounting import _curves, pld
+from opake_fx.accounting import _curves, _pmf, pld
 
 MECHANISMS = [
     dpsgd_acc.gaussian(0.7),
@@ -126,7 +126,7 @@ def test_subsampled_trade_off_is_a_trade_off_curve():
 
 
 def test_coarsening_keeps_results_pessimistic(monkeypatch):
-    monkeypatch.setattr(pld, "_MAX_GRID", 2**14)
+    monkeypatch.setattr(_pmf, "MAX_GRID", 2**14)
     acc.clear_caches()
     try:
         process = dpsgd_acc.gaussian(1.0) * 50
