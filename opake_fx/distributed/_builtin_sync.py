@@ -33,12 +33,24 @@ def register_all() -> None:
     register_builtin(GaussianNoiseState, sync_gaussian_noise_state)
     register_builtin(ClippingStats, sync_clipping_stats)
     register_builtin(ClippedGradAux, sync_clipped_grad_aux)
+    from opake_fx.dpsgd.clipping.stage import ClipStageState
+
+    register_builtin(ClipStageState, sync_clip_stage_state)
     try:
         from opake_fx.dpsgd.sampling import PoissonSampler, SequentialBatchSampler
     except ImportError:  # pragma: no cover - samplers are optional at this layer
         return
     register_builtin(PoissonSampler, sync_poisson_sampler)
     register_builtin(SequentialBatchSampler, sync_sequential_sampler)
+
+
+def sync_clip_stage_state(state: Any) -> Any:
+    """Syncs a clip stage's state field by field: the clipping state, then the stats (if any)."""
+    from opake_fx.distributed._state import sync
+
+    inner = sync(state.clip_state)
+    stats = None if state.stats is None else sync(state.stats)
+    return replace(state, clip_state=inner, stats=stats)
 
 
 def sync_fixed_clip_state(state: Any) -> Any:

@@ -14,7 +14,7 @@ from opake_fx.dpsgd.clipping.adaptive import AdaptiveClipState, adaptive_clipped
 from opake_fx.dpsgd.clipping.auto import auto_clipped_grad
 from opake_fx.dpsgd.clipping.fixed import clipped_grad
 from opake_fx.dpsgd.clipping.groups import per_group
-from opake_fx.dpsgd.clipping.stage import as_stage, clip
+from opake_fx.dpsgd.clipping.stage import ClipStageState, as_stage, clip
 from opake_fx.dpsgd.clipping.types import ClippedGradAux, ClippingStats, FixedClipState
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "per_group",
     "clip",
     "as_stage",
+    "ClipStageState",
     "FixedClipState",
     "AdaptiveClipState",
     "ClippingStats",

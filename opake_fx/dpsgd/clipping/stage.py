@@ -2,19 +2,38 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from torch import nn
 
 from opake_fx.dpsgd.clipping._ghost import ClipBackend
 from opake_fx.dpsgd.clipping.fixed import clipped_grad
+from opake_fx.dpsgd.clipping.types import ClippingStats
 from opake_fx.functional import FunctionalModel
 from opake_fx.errors import InputValueError
 from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.transforms import Transform
 from opake_fx.types import ClippedPytree, PerGroup
 
-__all__ = ["clip", "as_stage"]
+__all__ = ["clip", "as_stage", "ClipStageState"]
+
+
+@dataclass(frozen=True)
+class ClipStageState:
+    """The state of a clip stage built with ``return_stats=True``.
+
+    Attributes:
+        clip_state: the clipping function's own state (``FixedClipState``, ``AdaptiveClipState``).
+        stats: the :class:`~opake_fx.dpsgd.clipping.ClippingStats` of the last step (all
+            zeros, ``batch_size=0``, before the first: the same structure throughout, so a
+            checkpoint template from ``init`` fits). **Not private**: computed from the raw
+            per-example norms; log them for debugging, or release them through a DP
+            mechanism of their own.
+    """
+
+    clip_state: Any
+    stats: ClippingStats | None = None
 
 
 def clip(
@@ -26,6 +45,7 @@ def clip(
     microbatch_size: int | None = None,
     clip_backend: ClipBackend = "vmap",
     model: FunctionalModel | nn.Module | None = None,
+    return_stats: bool = False,
 ) -> Transform:
     """Per-example clipping as the first stage of a pipeline.
 
@@ -36,7 +56,12 @@ def clip(
     the whole batch and returns the per-example losses ``[B]``, and the norms come from
     layer activations without per-example gradients (see :func:`clipped_grad`).
 
-    Privacy: output sensitivity ``clipping_norm / normalize_by`` (add-or-remove-one).
+    With ``return_stats=True`` the stage's state is a :class:`ClipStageState` whose
+    ``stats`` holds the last step's :class:`~opake_fx.dpsgd.clipping.ClippingStats`
+    (``state["clip"].stats`` in a named chain): non-private diagnostics.
+
+    Privacy: output sensitivity ``clipping_norm / normalize_by`` (add-or-remove-one). The
+    stats in the state are computed from raw per-example norms and are not private.
 
     Example:
         >>> import torch
@@ -59,11 +84,12 @@ def clip(
         microbatch_size=microbatch_size,
         clip_backend=clip_backend,
         model=model,
+        return_stats=return_stats,
     )  # validates clipping_norm and normalize_by
     described = StagePrivacy(
         "clip", f"clip to {clipping_norm}, divided by {normalize_by:g}", max_norm=clipping_norm / normalize_by
     )
-    return as_stage(grad_fn, state, batch_argnums=batch_argnums, privacy=described)
+    return as_stage(grad_fn, state, batch_argnums=batch_argnums, privacy=described, return_stats=return_stats)
 
 
 def as_stage(
@@ -72,9 +98,15 @@ def as_stage(
     *,
     batch_argnums: int | Sequence[int] = 1,
     privacy: StagePrivacy | None = None,
+    return_stats: bool = False,
 ) -> Transform:
     """Turns any ``(grad_fn, state)`` pair (``clipped_grad``, ``auto_clipped_grad``,
-    ``adaptive_clipped_grad``, made with ``argnums=0`` and without stats/aux) into a stage.
+    ``adaptive_clipped_grad``, made with ``argnums=0`` and without aux) into a stage.
+
+    For a clipping function made with ``return_stats=True``, pass ``return_stats=True``
+    here too: the stage's state is then a :class:`ClipStageState` carrying the last
+    step's stats (non-private diagnostics), and the stage still outputs the
+    ``ClippedPytree`` alone.
 
     ``privacy`` describes the stage for ``chain``'s order check and ``privacy_report``
     (default: a clip stage whose ``max_norm`` is known per step, as for adaptive clipping).
@@ -91,7 +123,7 @@ def as_stage(
         )
 
     def init(params: Any) -> Any:
-        return state
+        return ClipStageState(state, _no_stats(state)) if return_stats else state
 
     def update(batch: Any, clip_state: Any, params: Any = None, **extra: Any) -> tuple[ClippedPytree, Any]:
         if params is None:
@@ -102,12 +134,30 @@ def as_stage(
                 f"the clip stage expects a batch of {len(positions)} tensors (batch_argnums={batch_argnums}); "
                 f"got {len(batch_t)}."
             )
-        out, new_state = grad_fn(params, *batch_t, state=clip_state)
+        inner = clip_state.clip_state if isinstance(clip_state, ClipStageState) else clip_state
+        out, new_state = grad_fn(params, *batch_t, state=inner)
+        if return_stats:
+            if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], ClippingStats)):
+                raise InputValueError(
+                    "as_stage(return_stats=True) needs a clipping function made with return_stats=True (and "
+                    "without return_aux/has_aux)."
+                )
+            out, stats = out
+            new_state = ClipStageState(new_state, stats)
         if not isinstance(out, ClippedPytree):
             raise InputValueError(
-                "as_stage needs a clipping function made without return_stats/return_aux/has_aux; "
-                "its output must be a ClippedPytree."
+                "as_stage needs a clipping function made without return_aux/has_aux, and return_stats=True on "
+                "both or neither; its output must be a ClippedPytree."
             )
         return out, new_state
 
     return Transform(init, update, privacy)
+
+
+def _no_stats(clip_state: Any) -> ClippingStats:
+    """Zero stats shaped like the ones the clipping function returns (per group for a PerGroup norm)."""
+    norm = getattr(clip_state, "clipping_norm", None)
+    if isinstance(norm, PerGroup):
+        zeros = {name: 0.0 for name in sorted(norm.values)}
+        return ClippingStats(dict(zeros), dict(zeros), 0, 0)
+    return ClippingStats(0.0, 0.0, 0, 0)
