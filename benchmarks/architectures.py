@@ -13,6 +13,15 @@ the modules that take their own rules beyond Linear/conv/embedding/norm layers:
 * ``gpt2-lora`` — the same GPT-2 with peft LoRA adapters (rank 8 on ``c_attn``,
   ``c_proj``, ``c_fc``), only the adapters trained.
 * ``bert-cls`` — Hugging Face BERT (2 layers, d 128, 4 heads) sequence classifier.
+* ``gpt-neox``, ``llama`` — Hugging Face GPT-NeoX (``nn.LayerNorm``, rotary on a quarter of
+  each head, untied head) and Llama (``LlamaRMSNorm``, SwiGLU, rotary, untied head) causal
+  LMs of the same size (2 layers, d 128, 4 heads, MLP width 512, vocab 5000): Llama's
+  RMSNorm takes the norm-like rule (a module recognised by what it computes), so the two
+  should cost the same.
+* ``t5`` — Hugging Face T5 encoder-decoder (2 + 2 layers, d 128, 4 heads of 32, FF 512,
+  vocab 5000, dropout 0.1 in training mode) on 64 source and 64 target tokens:
+  ``T5LayerNorm`` takes the norm-like rule; the relative-attention bias tables are looked up
+  with ``[T, T]`` bucket tensors (no batch axis) and take the exact whole-loss fallback.
 
 All at batch 16 of 64 tokens, 2 threads. Variants: ``non-private`` (mean loss, backward,
 SGD), ``opake-auto`` and ``opake-vmap`` (``clipped_grad`` with C = 1, ``gaussian_noise``,
@@ -46,7 +55,7 @@ from opake_fx.functional import make_functional  # noqa: E402
 from opake_fx.random import key  # noqa: E402
 
 B, T, D, HEADS, LR = 16, 64, 128, 4, 0.05
-WORKLOADS = ["torch-encoder", "gpt2-full", "gpt2-lora", "bert-cls"]
+WORKLOADS = ["torch-encoder", "gpt2-full", "gpt2-lora", "bert-cls", "gpt-neox", "llama", "t5"]
 VARIANTS = ["non-private", "opake-auto", "opake-vmap"]
 
 
@@ -108,6 +117,32 @@ def build(workload: str) -> tuple[nn.Module, Callable[[Any, Any, torch.Tensor, t
             return F.cross_entropy(logits, y, reduction="none")
 
         return transformers.BertForSequenceClassification(config).train(), classify, ids, labels, everything
+    if workload in ("gpt-neox", "llama"):
+        common = dict(vocab_size=5000, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=512,
+                      max_position_embeddings=T, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False, use_cache=False)
+        if workload == "llama":
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=HEADS, **common))
+        else:
+            model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**common))
+        ids = torch.randint(0, 5000, (B, T), generator=g)
+
+        def causal_lm(fmodel: Any, p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            logits = fmodel(p, input_ids=x, position_ids=positions[: x.shape[0]]).logits
+            return F.cross_entropy(logits[:, :-1].transpose(1, 2), y[:, 1:], reduction="none").mean(1)
+
+        return model.train(), causal_lm, ids, ids, everything
+    if workload == "t5":
+        config = transformers.T5Config(vocab_size=5000, d_model=D, d_kv=D // HEADS, d_ff=512, num_layers=2,
+                                       num_decoder_layers=2, num_heads=HEADS, feed_forward_proj="relu",
+                                       decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False)
+        src, tgt = torch.randint(2, 5000, (B, T), generator=g), torch.randint(2, 5000, (B, T), generator=g)
+
+        def seq2seq(fmodel: Any, p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            dec_in = torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], dim=1)  # T5's _shift_right
+            logits = fmodel(p, input_ids=x, decoder_input_ids=dec_in).logits
+            return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
+
+        return transformers.T5ForConditionalGeneration(config).train(), seq2seq, src, tgt, everything
     raise ValueError(f"unknown workload {workload!r}")
 
 
