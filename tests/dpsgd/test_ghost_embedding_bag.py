@@ -139,19 +139,6 @@ def test_two_dimensional_bags(backend: str, cfg: dict, b: int, monkeypatch: pyte
     assert_exact(Bag(flat=False, **cfg), batch(b, 10 + b, flat=False), backend, monkeypatch)
 
 
-# The flat form end to end: the batch-axis probe (_provenance) finds the flat ids [N] (a
-# token count, not a multiple of the sub-batch size) and, with include_last_offset, the
-# offsets [B + 1] to depend on the batch "some other way" (template k = -1, which matches
-# nothing), so the whole call is undecidable and bag.weight takes the whole-loss fallback
-# (a SlowPathWarning, an error here), although the rule needs only the output rows [B, D],
-# which the probe does decide. The rule itself is checked on the flat form below
-# (test_flat_rule_matches_autograd_per_bag).
-FLAT_UNDECIDABLE = pytest.mark.xfail(strict=True, raises=SlowPathWarning, reason=(
-    "_provenance: a flat EmbeddingBag call is undecidable (ids [N] / offsets [B+1] have template k = -1, matching "
-    "nothing) -> whole-loss fallback; the rule only needs the output rows' verdict"))
-
-
-@FLAT_UNDECIDABLE
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
 @pytest.mark.parametrize("include_last", [False, True])
@@ -175,7 +162,7 @@ def test_number_of_tokens_equal_to_the_batch_size(backend: str, monkeypatch: pyt
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["sum", "mean"])
-@pytest.mark.parametrize("flat", [False, pytest.param(True, marks=FLAT_UNDECIDABLE)])
+@pytest.mark.parametrize("flat", [False, True])
 def test_table_tied_to_the_output_layer(backend: str, mode: str, flat: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # The bag's table is also the head's weight: the cross terms between the bag's rows and
     # the head's Linear come from the stored tokens (no per-example [B, V, D]).

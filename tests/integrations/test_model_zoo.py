@@ -85,17 +85,11 @@ WRONG = AssertionError  # silently wrong numbers today (or a fallback that does 
 SLOW = (SlowPathWarning, RuntimeError)  # a slow path where rules are required (raised as an error), then a raw error
 
 XFAIL: list[tuple[str, str, str, str, Any]] = [
-    *[(name, "*", backend, TIED_BIAS, SLOW) for name in ("bert_mlm", "roberta_mlm") for backend in ("ghost", "auto")],
 ]
 
-# The fast path, checked by counting torch.func.vmap calls (today the per-module vmap
-# fallback is silent: these models pass the warning check above but not this one).
-XFAIL_VMAP_COUNT: dict[str, tuple[str, Any]] = {
-    "vit": ("ViTEmbeddings owns cls_token/position_embeddings (used outside a module call): silent module "
-            "fallback", WRONG),
-    "bert_mlm": (TIED_BIAS, SLOW),
-    "roberta_mlm": (TIED_BIAS, SLOW),
-}
+# The fast path, also checked by counting torch.func.vmap calls (a fallback that ran vmap
+# without saying so would pass the warning check above but not this one).
+XFAIL_VMAP_COUNT: dict[str, tuple[str, Any]] = {}
 
 
 def xfail_reason(name: str, label: str, backend: str) -> tuple[str, Any] | None:

@@ -52,7 +52,7 @@ from opake_fx.dpsgd.clipping import _affine_norm as AN
 from opake_fx.dpsgd.clipping import _embedding_bag as EB
 from opake_fx.dpsgd.clipping import _layers as L
 from opake_fx.dpsgd.clipping._provenance import BatchLayout, probe, signature, tensor_leaves
-from opake_fx.dpsgd.clipping._per_example import first_caller_outside_package, map_examples
+from opake_fx.dpsgd.clipping._per_example import first_caller_outside_package, map_examples, warn_slow_path
 from opake_fx.dpsgd.clipping._engine import Backend, ClipConfig, PerExampleNorms, _diff_tree, batch_size_of, vmap_backend
 from opake_fx.errors import InputTypeError, InputValueError, OperationError, SlowPathWarning
 from opake_fx.functional import FunctionalModel
@@ -148,6 +148,9 @@ class _NormBackend:
                 capture.why.setdefault(i, ("used somewhere its module's own call cannot see", use.module, name))
                 continue
             per_ex[i] = pe
+        module_fallback = sorted(i for i in capture.fallback if i in per_ex)
+        if module_fallback:
+            _warn_module_fallback(self.root, self.mode, capture, module_fallback)
         if capture.whole:
             _warn_slow_path(self.root, self.mode, capture, leaves)
             per_ex.update(_whole_loss_per_example(loss_fn, args, kwargs, cfg, treedef, leaves, sorted(capture.whole)))
@@ -243,6 +246,7 @@ class _Capture:
                  attention_checked: dict[tuple[Any, ...], bool], layout: BatchLayout) -> None:
         self.root, self.batch, self.mode = root, batch, mode
         self.layout = layout  # which inputs and outputs of each call carry the batch axis
+        self.children_params: dict[int, set[int]] = {}
         self.attention_checked = attention_checked  # the backend's, kept across steps
         self.leaves = leaves
         self.index = {id(x): i for i, x in enumerate(leaves)}
@@ -340,9 +344,10 @@ class _Capture:
                     "Build the module with batch_first=True and pass [batch, sequence, features]."
                 )
         names = {}
+        held = self._held_by_children(module)
         for n, p in module._parameters.items():
             i = self.index.get(id(p))
-            if i is not None:
+            if i is not None and id(p) not in held:  # a tied child parameter is the child call's
                 names[n] = i
         if isinstance(module, nn.MultiheadAttention) and type(module).forward is nn.MultiheadAttention.forward:
             replaced = self._attention(module, args, kwargs, output, names, batched)
@@ -392,6 +397,17 @@ class _Capture:
         leaves, treedef = optree.tree_flatten(output)
         it = iter(tapped)
         return optree.tree_unflatten(treedef, [next(it) if isinstance(t, torch.Tensor) else t for t in leaves])
+
+    def _held_by_children(self, module: nn.Module) -> set[int]:
+        """Ids of the parameters a submodule also holds (``decoder.bias = self.bias`` in BERT's
+        LM head): the submodule's call uses them, so the owner's call must not count them
+        again. A direct use by the owner is still seen by the graph-use count (:meth:`plan`)."""
+        found = self.children_params.get(id(module))
+        if found is None:
+            found = {id(p) for child in module.children() for m in child.modules() for p in m._parameters.values()
+                     if p is not None}
+            self.children_params[id(module)] = found
+        return found
 
     def _verdict(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> dict[int, bool]:
         """Which tensors of this call carry the batch axis first (by provenance: ._provenance);
@@ -765,6 +781,21 @@ def _adds_up(pe: torch.Tensor, batch_grad: torch.Tensor | None) -> bool:
     ref = batch_grad.to(total.dtype)
     diff = torch.linalg.vector_norm(total - ref)
     return bool(diff <= 1e-4 * (torch.linalg.vector_norm(ref) + torch.linalg.vector_norm(total)) + 1e-30)
+
+
+def _warn_module_fallback(root: nn.Module, mode: str, capture: _Capture, idx: list[int]) -> None:
+    """Says which parameters took the per-module fallback (no layer rule for their module)."""
+    paths = {id(m): p for p, m in root.named_modules()}
+    parts = []
+    for i in idx:
+        use, name = capture.uses_of(i)[0]
+        parts.append(f"{paths.get(id(use.module), '?')}.{name} ({type(use.module).__name__})".lstrip("."))
+    warn_slow_path(
+        f"clip_backend={mode!r}: {len(parts)} parameter(s) take the per-module fallback (per-example gradients of "
+        f"their module's call, one example at a time under vmap; exact, but slower than a layer rule and they "
+        f"materialise [B, *shape]): " + ", ".join(parts) + ". Their modules have no layer rule, or use them outside "
+        "a submodule call; a rule for the module type keeps them fast."
+    )
 
 
 def _warn_slow_path(root: nn.Module, mode: str, capture: _Capture, leaves: list[torch.Tensor]) -> None:

@@ -35,7 +35,9 @@ Shape = tuple[int, ...]
 # One entry per tensor leaf: (k, shape). k = 1: the first axis is the batch (shape: the other
 # axes); k > 1: the first axis is k per example, e.g. a [B * heads, T, S] mask (not the batch
 # axis, but it matches only at k * B); k = 0: no batch dependence (shape: the whole shape);
-# k = -1: depends on the batch some other way (matches nothing).
+# k = -1: depends on the batch some other way (flat token ids [N], offsets [B + 1]): not batched,
+# and it matches any shape (so another template that also fits with another verdict makes the
+# call undecidable, never a guess).
 Template = tuple[tuple[int, Shape], ...]
 
 # Sub-batch sizes of the two probe runs.
@@ -43,6 +45,7 @@ _SIZES = (2, 3)
 # Relative difference of a loss (or a module input) between the probe runs that counts as
 # mixing; batch-size-dependent kernels differ far less (~1e-6 in float32).
 _MIXING_RTOL = 1e-3
+_UNDECIDED = "undecided"  # the mixing check could not compare any example (e.g. all losses NaN)
 
 
 @dataclass
@@ -118,8 +121,9 @@ def probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], k
         if entry not in layout.templates.setdefault(id(a.module), []):
             layout.templates[id(a.module)].append(entry)
     if batch >= 2:  # with one distinct example nothing can mix
-        layout.mixing_checked = True
-        layout.mixing = _mixing(root, small, large, loss_small, loss_large)
+        found = _mixing(root, small, large, loss_small, loss_large)
+        if found is not _UNDECIDED:  # else checked again at the next call
+            layout.mixing_checked, layout.mixing = True, found
     return layout
 
 
@@ -172,7 +176,7 @@ def _template(small: list[Shape], large: list[Shape]) -> tuple[Template, tuple[b
             entries.append((k, s[1:]))
         elif s == l:
             entries.append((0, s))
-        else:  # depends on the batch some other way (e.g. flattened B * T + 1): matches nothing
+        else:  # depends on the batch some other way (e.g. flattened B * T + 1)
             entries.append((-1, s))
         verdicts.append(bool(entries[-1][0] == 1))
     return tuple(entries), tuple(verdicts)
@@ -185,7 +189,7 @@ def _matches(template: Template, tensors: list[torch.Tensor], batch: int) -> boo
         if k > 0:
             if t.dim() == 0 or t.shape[0] != k * batch or tuple(t.shape[1:]) != shape:
                 return False
-        elif k < 0 or tuple(t.shape) != shape:
+        elif k == 0 and tuple(t.shape) != shape:
             return False
     return True
 
@@ -193,9 +197,14 @@ def _matches(template: Template, tensors: list[torch.Tensor], batch: int) -> boo
 def _mixing(root: nn.Module, small: list[_Call], large: list[_Call], loss_small: torch.Tensor | None,
             loss_large: torch.Tensor | None) -> str | None:
     if loss_small is None or loss_large is None or loss_small.shape != (2,) or loss_large.shape != (3,):
-        return None  # not per-example losses: the backend reports that itself
-    scale = float(loss_large.abs().max()) + 1e-30
-    diff = float((loss_small - loss_large[:2]).abs().max())
+        return _UNDECIDED  # not per-example losses: the backend reports that itself
+    # A non-finite loss (an attacker's NaN example, an overflow) says nothing about mixing: such
+    # examples get weight 0 anyway. Compare the examples finite in both runs.
+    finite = torch.isfinite(loss_small) & torch.isfinite(loss_large[:2])
+    if not bool(finite.any()):
+        return _UNDECIDED
+    scale = float(loss_large[:2][finite].abs().max()) + 1e-30
+    diff = float((loss_small - loss_large[:2])[finite].abs().max())
     if diff <= _MIXING_RTOL * scale:
         return None
     paths = {id(m): p or type(m).__name__ for p, m in root.named_modules()}
@@ -203,7 +212,8 @@ def _mixing(root: nn.Module, small: list[_Call], large: list[_Call], loss_small:
     for a, b in zip(small, large):
         if a.rows is None or b.rows is None:
             continue
-        if float((a.rows - b.rows).abs().max()) > _MIXING_RTOL * (float(b.rows.abs().max()) + 1e-30):
+        if float(torch.nan_to_num((a.rows - b.rows).abs(), nan=0.0).max()) > _MIXING_RTOL * (
+                float(torch.nan_to_num(b.rows.abs(), nan=0.0).max()) + 1e-30):
             where = f" It happens before the call of module '{paths.get(id(a.module), '?')}', whose input for examples 0 and 1 already differs."
             break
     return (
