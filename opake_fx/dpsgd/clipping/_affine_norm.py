@@ -74,13 +74,15 @@ def is_candidate(module: nn.Module) -> bool:
 def route(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
     """Decides one call of a candidate: ``(KIND, (A,), {})`` with ``A(x)`` ``[B, *, D]`` (what
     the rule needs saved for the backward pass, in place of the module's inputs), or
-    ``("fallback", args, kwargs)`` unchanged, with a :class:`SlowPathWarning`."""
+    ``("fallback", args, kwargs)`` unchanged: with a :class:`SlowPathWarning` that says why
+    when the call is norm-like in shape (one output ``[B, *, D]``, ``D`` the weight's size)
+    but fails the check, as any other module without a rule otherwise."""
     weight = module._parameters["weight"]
     bias = module._parameters.get("bias")
     if not isinstance(output, torch.Tensor) or not output.is_floating_point() or output.dim() < 2 or (
         output.shape[-1] != weight.shape[0]
     ):
-        return _fallback(module, "its output is not one [batch, ..., D] tensor with D the weight's size", args, kwargs)
+        return "fallback", args, kwargs  # not norm-like on this call (e.g. nn.PReLU(1)): the generic module fallback
     y = output.detach()
     w = weight.detach()
     b = None if bias is None else bias.detach()
