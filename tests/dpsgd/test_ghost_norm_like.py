@@ -350,3 +350,26 @@ def test_contribution_at_most_c_at_extreme_scales(backend: str, dtype: torch.dty
         if aux.num_nonfinite:
             assert total == 0.0
         assert total <= c, f"contribution {total} > C = {c}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_non_finite_example_is_zeroed_on_the_rule(backend: str) -> None:
+    # A NaN example makes A(x) and the output NaN in its rows only: the call still takes the
+    # rule (no fallback, no warning), the example gets weight 0 and the others are exact.
+    torch.manual_seed(8)
+    model = Net(_randomise(RMSNormLike(D))).double()
+    fmodel, params = make_functional(model)
+    x = torch.randn(5, 3, D, dtype=torch.float64)
+    y = torch.randn(5, 3, 3, dtype=torch.float64)
+    x[2, 1, 0] = float("nan")
+    keep = torch.tensor([True, True, False, True, True])
+    want, norms = reference(mse(fmodel), params, x[keep], y[keep], 0.5)
+    fn, state = clipped_grad(mse(fmodel), clipping_norm=0.5, batch_argnums=(1, 2), return_aux=True, clip_backend=backend,
+                             model=fmodel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowPathWarning)
+        (out, aux), _ = fn(params, x, y, state=state)
+    assert aux.num_nonfinite == 1
+    scale = max(float(w.abs().max()) for w in want)
+    for got, ref in zip(out.pytree, want):
+        assert float((got - ref).abs().max()) <= 1e-10 * scale

@@ -204,20 +204,22 @@ def _affine_at(y: torch.Tensor, a: torch.Tensor, w: torch.Tensor, offset: torch.
     dtypes = [y.dtype, a.dtype, w.dtype] + ([] if b is None else [b.dtype]) + ([] if offset is None else [offset.dtype])
     ct = torch.float64 if all(d == torch.float64 for d in dtypes) else torch.float32
     u = max(cert.unit_roundoff(d) for d in dtypes + [ct])
-    aw = a.to(ct) * w.to(ct)
-    pred, mag = aw, aw.abs() + y.to(ct).abs()
+    pred = a.to(ct) * w.to(ct)
+    mag = pred.abs()
     for extra in (offset, b):
         if extra is not None:
             e = extra.to(ct)
-            pred, mag = pred + e, mag + e.abs()
+            pred = pred + e
+            mag += e.abs()
     yc = y.to(ct)
-    diff = (yc - pred).abs()
-    tiny = 16 * torch.finfo(ct).tiny
-    ok = diff <= 16 * u * mag + tiny
-    finite = torch.isfinite(yc) & torch.isfinite(pred)
+    mag += yc.abs()
+    diff = (yc - pred).abs_()
+    if bool((diff <= mag.mul_(16 * u).add_(16 * torch.finfo(ct).tiny)).all()):
+        return True  # (a NaN anywhere compares False: decided below)
     # Non-finite on both sides: that example gets weight 0 anyway; on one side only: not affine.
+    finite = torch.isfinite(yc) & torch.isfinite(pred)
     both = ~torch.isfinite(yc) & ~torch.isfinite(pred)
-    return bool(torch.where(finite, ok, both).all())
+    return bool(torch.where(finite, diff <= mag, both).all())
 
 
 def _signature(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], y: torch.Tensor, w: torch.Tensor,
