@@ -4,6 +4,7 @@
 * :func:`auto_clipped_grad` — AUTO-S normalisation (Bu et al. 2023).
 * :func:`adaptive_clipped_grad` — private quantile tracking (Andrew et al. 2021).
 * :func:`per_group` — build per-group clip norms from parameter names.
+* :func:`register_rule` — a fast-clipping rule for a module type of yours.
 * :func:`clip` / :func:`as_stage` — the same as chain stages.
 
 Every function returns a :class:`~opake_fx.types.ClippedPytree` whose ``max_norm`` is
@@ -14,6 +15,7 @@ from opake_fx.dpsgd.clipping.adaptive import AdaptiveClipState, adaptive_clipped
 from opake_fx.dpsgd.clipping.auto import auto_clipped_grad
 from opake_fx.dpsgd.clipping.fixed import clipped_grad
 from opake_fx.dpsgd.clipping.groups import per_group
+from opake_fx.dpsgd.clipping.rules import LayerRule, register_rule, unregister_rule
 from opake_fx.dpsgd.clipping.stage import ClipStageState, as_stage, clip
 from opake_fx.dpsgd.clipping.types import ClippedGradAux, ClippingStats, FixedClipState
 
@@ -22,6 +24,9 @@ __all__ = [
     "auto_clipped_grad",
     "adaptive_clipped_grad",
     "per_group",
+    "register_rule",
+    "unregister_rule",
+    "LayerRule",
     "clip",
     "as_stage",
     "ClipStageState",

@@ -51,6 +51,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from opake_fx.dpsgd.clipping import _affine_norm as AN
 from opake_fx.dpsgd.clipping import _embedding_bag as EB
 from opake_fx.dpsgd.clipping import _layers as L
+from opake_fx.dpsgd.clipping.rules import registered_rule, run_rule
 from opake_fx.dpsgd.clipping._provenance import BatchLayout, probe, signature, tensor_leaves
 from opake_fx.dpsgd.clipping._per_example import first_caller_outside_package, map_examples, warn_slow_path
 from opake_fx.dpsgd.clipping._engine import Backend, ClipConfig, PerExampleNorms, _diff_tree, batch_size_of, vmap_backend
@@ -89,6 +90,7 @@ class _NormBackend:
         self.attention_checked: dict[tuple[Any, ...], bool] = {}
         # Batch layouts found by probing (see ._provenance), per call signature of the loss.
         self.layouts: dict[Any, BatchLayout] = {}
+        self.rules_checked: set[tuple[Any, ...]] = set()
 
     def layout(self, loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: ClipConfig,
                batch: int) -> BatchLayout:
@@ -111,7 +113,7 @@ class _NormBackend:
         leaves = [x.detach().requires_grad_(True) for x in flat]
         run_args = _with_diff(args, cfg, optree.tree_unflatten(treedef, leaves))
         layout = self.layout(loss_fn, run_args, kwargs, cfg, batch) if batch else BatchLayout()
-        capture = _Capture(self.root, leaves, batch, self.mode, self.attention_checked, layout)
+        capture = _Capture(self.root, leaves, batch, self.mode, self.attention_checked, layout, self.rules_checked)
         try:
             with capture.forward():
                 out = loss_fn(*run_args, **kwargs)
@@ -243,10 +245,12 @@ class _Capture:
     """Hooks, taps and per-leaf bookkeeping for one (micro)batch."""
 
     def __init__(self, root: nn.Module, leaves: list[torch.Tensor], batch: int, mode: str,
-                 attention_checked: dict[tuple[Any, ...], bool], layout: BatchLayout) -> None:
+                 attention_checked: dict[tuple[Any, ...], bool], layout: BatchLayout,
+                 rules_checked: set[tuple[Any, ...]]) -> None:
         self.root, self.batch, self.mode = root, batch, mode
         self.layout = layout  # which inputs and outputs of each call carry the batch axis
         self.children_params: dict[int, set[int]] = {}
+        self.rules_checked = rules_checked  # registered rules checked against autograd (the backend's)
         self.attention_checked = attention_checked  # the backend's, kept across steps
         self.leaves = leaves
         self.index = {id(x): i for i, x in enumerate(leaves)}
@@ -548,6 +552,8 @@ class _Report:
         elif use.kind == "embedding":
             keep_tokens = any(i in cap.multi for i in names.values())  # a tied table: cross terms need tokens
             rule = L.EmbeddingGrad(a, g, use.module, L.compute_dtype(dtype), keep_tokens=keep_tokens)
+        elif use.kind == "registered":
+            rule = L.PerExampleGrad(run_rule(registered_rule(use.module), use.module, a, g, names, cap.rules_checked))
         elif use.kind == AN.KIND:  # a is A(x), saved by AN.route
             rule = AN.affine_norm_grad(a, g, roles, dtype)
         elif use.kind == EB.KIND:  # saved: per-token bags, ids and coefficients (or argmax) from EB.route
@@ -590,6 +596,8 @@ def _fallback_rule(use: _Use, names: dict[str, int], batch: int) -> Any:
 
 def _kind(module: nn.Module) -> str:
     t = type(module)
+    if registered_rule(module) is not None:  # a user's rule for their own module type
+        return "registered"
     if isinstance(module, nn.Linear) and t.forward is nn.Linear.forward:
         return "linear"
     if _is_transformers_conv1d(t):
