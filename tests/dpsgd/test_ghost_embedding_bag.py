@@ -11,12 +11,15 @@ any vmap fallback; adversarial inputs in float32 and bfloat16 must stay within C
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import Any
 
+import hypothesis.strategies as st
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 from opake_fx.dpsgd.clipping import _ghost, _layers
@@ -249,3 +252,46 @@ def test_contribution_at_most_c_at_extreme_scales(backend: str, dtype: torch.dty
         if aux.num_nonfinite:
             assert total == 0.0
         assert total <= c, f"contribution {total} > C = {c}"
+
+
+# --- property: drawn adversarial inputs ---------------------------------------------------
+
+NIGHTLY = os.environ.get("HYPOTHESIS_PROFILE") == "nightly"
+
+
+@settings(max_examples=2000 if NIGHTLY else 60, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+@given(
+    mode=st.sampled_from(["sum", "mean", "max"]),
+    flat=st.booleans(),
+    tied=st.booleans(),
+    backend=st.sampled_from(BACKENDS),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    t=st.integers(1, 64),
+    scale=st.sampled_from([1e-30, 1e-12, 1e-3, 1.0, 1e3, 1e12, 1e30]),
+    imbalance=st.sampled_from([0.0, 1e-6, 1e-3, 1.0]),
+    c=st.sampled_from([1e-4, 1e-2, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_contribution_at_most_c(mode, flat, tied, backend, dtype, t, scale, imbalance, c, seed) -> None:
+    # One id repeated through the bag with per-sample weights of alternating sign (their sum
+    # nearly cancels), a few other ids, a head that may share the table; huge and tiny scales.
+    torch.manual_seed(seed)
+    model = Bag(mode, None, flat=flat, weighted=mode == "sum", tied=tied).to(dtype)
+    fmodel, params = make_functional(model)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.full((1, t), 7, dtype=torch.long)
+    ids[0, torch.rand(t, generator=gen) < 0.2] = 2
+    signs = torch.tensor([(-1.0) ** k for k in range(t)], dtype=torch.float64)
+    w = (scale * (signs + imbalance)).to(dtype)[None]
+    y = (torch.randn(1, VOCAB if tied else 3, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+    def loss(p: Any, xb: torch.Tensor, wb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return (fmodel(p, xb, wb).float() * yb.float()).sum(1)
+
+    fn, state = clipped_grad(loss, clipping_norm=c, batch_argnums=(1, 2, 3), return_aux=True, clip_backend=backend,
+                             model=fmodel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowPathWarning)
+        (out, aux), _ = fn(params, ids, w, y, state=state)
+    total = math.sqrt(sum(float(v.double().square().sum()) for v in out.pytree))
+    assert total <= c, f"contribution {total} > C = {c} (norm reported {float(aux.grad_norms[0])})"

@@ -12,12 +12,15 @@ Adversarial inputs in float32 and bfloat16 must never contribute more than C.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import Any, Callable
 
+import hypothesis.strategies as st
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 from opake_fx.dpsgd.clipping import _affine_norm as AN
@@ -373,3 +376,44 @@ def test_a_non_finite_example_is_zeroed_on_the_rule(backend: str) -> None:
     scale = max(float(w.abs().max()) for w in want)
     for got, ref in zip(out.pytree, want):
         assert float((got - ref).abs().max()) <= 1e-10 * scale
+
+
+# --- property: drawn adversarial inputs ---------------------------------------------------
+
+NIGHTLY = os.environ.get("HYPOTHESIS_PROFILE") == "nightly"
+
+
+@settings(max_examples=2000 if NIGHTLY else 60, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+@given(
+    norm=st.sampled_from(sorted(NORM_LIKE)),
+    backend=st.sampled_from(BACKENDS),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    t=st.integers(1, 48),
+    spread=st.sampled_from([0.0, 1e-7, 1e-4, 1e-1]),
+    scale=st.sampled_from([1e-30, 1e-12, 1e-3, 1.0, 1e3, 1e12, 1e30]),
+    g_scale=st.sampled_from([1e-20, 1e-3, 1.0, 1e6, 1e20]),
+    c=st.sampled_from([1e-4, 1e-2, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_contribution_at_most_c(norm, backend, dtype, t, spread, scale, g_scale, c, seed) -> None:
+    # Nearly identical positions (A_t nearly equal) under output gradients of alternating sign:
+    # the terms of dw = sum_t g_t * A_t cancel; huge and tiny scales on both sides.
+    torch.manual_seed(seed)
+    d = 16
+    model = nn.Sequential(_randomise(NORM_LIKE[norm](d), seed), nn.Linear(d, 4)).to(dtype)
+    fmodel, params = make_functional(model)
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(1, 1, d, generator=gen, dtype=torch.float64)
+    x = (scale * (base + spread * torch.randn(1, t, d, generator=gen, dtype=torch.float64))).to(dtype)
+    y = _alternating(t, 4, g_scale, seed, dtype)[None]
+
+    def loss(p: Any, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return (fmodel(p, xb).float() * yb.float()).flatten(1).sum(1)
+
+    fn, state = clipped_grad(loss, clipping_norm=c, batch_argnums=(1, 2), return_aux=True, clip_backend=backend,
+                             model=fmodel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowPathWarning)  # speed only: a fallback must be within C too
+        (out, aux), _ = fn(params, x, y, state=state)
+    total = math.sqrt(sum(float(v.double().square().sum()) for v in out.pytree))
+    assert total <= c, f"contribution {total} > C = {c} (norm reported {float(aux.grad_norms[0])})"
