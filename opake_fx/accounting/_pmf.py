@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 from scipy import fft as sfft
@@ -23,7 +25,7 @@ from scipy import signal
 from opake_fx.accounting import _curves
 from opake_fx.errors import InputValueError
 
-__all__ = ["Pmf", "GridTooLarge", "discretize", "trim", "convolve", "compose_balanced", "coarsen", "unit"]
+__all__ = ["Pmf", "GridTooLarge", "discretize", "trim", "convolve", "compose_balanced", "coarsen", "unit", "both"]
 
 TRIM_MASS = 1e-20  # single-step mass trimmed from each end (pessimistically)
 FOLD_TAIL = 1e-16  # composed mass trimmed from each end after one convolution (pessimistically)
@@ -200,6 +202,33 @@ def trim(pmf: Pmf, budget: float, low: float | None = None) -> Pmf:
 
 
 
+def both(first: Callable[[], Any], second: Callable[[], Any]) -> tuple[Any, Any]:
+    """``(first(), second())``, the second on a helper thread.
+
+    The 'remove' and 'add' pairs of a step are independent, and the work on each (curve
+    evaluation, FFTs) runs in numpy/scipy loops that release the GIL, so the two pairs
+    use two cores.
+    """
+    result: list[Any] = [None, None]
+
+    def work() -> None:
+        try:
+            result[1] = (True, second())
+        except BaseException as exc:  # re-raised in the caller's thread
+            result[1] = (False, exc)
+
+    helper = threading.Thread(target=work, daemon=True)
+    helper.start()
+    try:
+        result[0] = first()
+    finally:
+        helper.join()
+    ok, value = result[1]
+    if not ok:
+        raise value
+    return result[0], value
+
+
 def unit(d: float) -> Pmf:
     """The PMF of a process that releases nothing: all mass at loss 0."""
     return Pmf(d, 0, np.array([1.0]), 0.0)
@@ -266,6 +295,7 @@ def _cut(pmf: Pmf, tail: float) -> Pmf:
     upper, lower = upper[np.isfinite(upper)], lower[np.isfinite(lower)]
     last = pmf.lo + pmf.size - 1
     hi = min(last, math.ceil(float(upper.min()) / pmf.d)) if upper.size else last
+    hi = max(hi, pmf.lo)  # a bound below the support: all finite mass is within tail / 2
     lo = max(pmf.lo, math.floor(float(lower.max()) / pmf.d)) if lower.size else pmf.lo
     lo = min(lo, hi)
     if lo == pmf.lo and hi == last:

@@ -29,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any
 
 from opake_fx._typecheck import typechecked
@@ -144,24 +143,8 @@ class IncrementalPld:
 
 
 def _fold_pairs(first: tuple[_pmf.Pmf, _pmf.Pmf], second: tuple[_pmf.Pmf, _pmf.Pmf]) -> tuple[_pmf.Pmf, _pmf.Pmf]:
-    """Both pairs' folds; the second in a helper thread (FFTs release the GIL: two cores)."""
-    result: list[Any] = [None]
-
-    def work() -> None:
-        try:
-            result[0] = _fold(*second)
-        except BaseException as exc:  # re-raised in the caller
-            result[0] = exc
-
-    helper = threading.Thread(target=work, daemon=True)
-    helper.start()
-    try:
-        out = _fold(*first)
-    finally:
-        helper.join()
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return out, result[0]
+    """Both pairs' folds, on two threads (FFTs release the GIL)."""
+    return _pmf.both(lambda: _fold(*first), lambda: _fold(*second))
 
 
 def _fold(mine: _pmf.Pmf, other: _pmf.Pmf) -> _pmf.Pmf:

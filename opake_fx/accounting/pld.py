@@ -308,9 +308,9 @@ def pmfs_of(components: tuple[tuple[Any, int], ...], discretization: float) -> t
 @functools.lru_cache(maxsize=128)
 def _single(leaf: Any, d: float) -> tuple[_Pmf, _Pmf | None]:
     directions = leaf._directions()
-    remove = _pmf.discretize(directions[0], d)
-    add = _pmf.discretize(directions[1], d) if len(directions) > 1 else None
-    return remove, add
+    if len(directions) == 1:
+        return _pmf.discretize(directions[0], d), None
+    return _pmf.both(lambda: _pmf.discretize(directions[0], d), lambda: _pmf.discretize(directions[1], d))
 
 
 def _composed(components: tuple[tuple[Any, int], ...], d: float) -> PrivacyLossDistribution:
