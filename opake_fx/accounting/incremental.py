@@ -143,8 +143,17 @@ class IncrementalPld:
 
 
 def _fold_pairs(first: tuple[_pmf.Pmf, _pmf.Pmf], second: tuple[_pmf.Pmf, _pmf.Pmf]) -> tuple[_pmf.Pmf, _pmf.Pmf]:
-    """Both pairs' folds, on two threads (FFTs release the GIL)."""
-    return _pmf.both(lambda: _fold(*first), lambda: _fold(*second))
+    """Both pairs' folds, on two threads (FFTs release the GIL).
+
+    Each thread also prepares its pair's query tails, which every metric reads.
+    """
+
+    def fold_and_warm(pair: tuple[_pmf.Pmf, _pmf.Pmf]) -> _pmf.Pmf:
+        out = _fold(*pair)
+        out.tails()
+        return out
+
+    return _pmf.both(lambda: fold_and_warm(first), lambda: fold_and_warm(second))
 
 
 def _fold(mine: _pmf.Pmf, other: _pmf.Pmf) -> _pmf.Pmf:
