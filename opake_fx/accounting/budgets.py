@@ -52,6 +52,13 @@ class Budget:
         (an :class:`~opake_fx.accounting.IncrementalPld`, a ``PrivacyLossDistribution``),
         which lets the :class:`~opake_fx.accounting.Accountant` reuse its running
         composition instead of recomposing the whole history.
+
+        Example:
+            >>> import opake_fx.accounting as acc
+            >>> import opake_fx.dpsgd.accounting as dpsgd_acc
+            >>> running = acc.IncrementalPld().then(dpsgd_acc.poisson(dpsgd_acc.gaussian(1.0), 0.01) * 1000)
+            >>> acc.epsilon_budget(3.0, delta=1e-5).measure_profile(running) <= 3.0
+            True
         """
         raise NotImplementedError
 

@@ -94,6 +94,13 @@ class IncrementalPld:
         Raises:
             InputTypeError: ``process`` is not a DpProcess.
             InputValueError: its neighbouring relation differs from what was folded before.
+
+        Example:
+            >>> import opake_fx.accounting as acc
+            >>> import opake_fx.dpsgd.accounting as dpsgd_acc
+            >>> step = dpsgd_acc.poisson(dpsgd_acc.gaussian(1.0), 0.01)
+            >>> acc.IncrementalPld().then(step).then(step * 99).folds
+            2
         """
         if not isinstance(process, DpProcess):
             raise InputTypeError(f"IncrementalPld.then: expected a DpProcess; got {type(process).__name__}.")
