@@ -12,6 +12,7 @@ example has norm at most C, in float32 and in bfloat16.
 from __future__ import annotations
 
 import math
+import os
 
 import hypothesis.strategies as st
 import pytest
@@ -24,6 +25,12 @@ from opake_fx.dpsgd.clipping import clipped_grad
 from opake_fx.functional import make_functional
 
 BACKENDS = ["vmap", "ghost", "auto"]
+# HYPOTHESIS_PROFILE=nightly draws 2000 adversarial examples per test and backend.
+NIGHTLY = os.environ.get("HYPOTHESIS_PROFILE") == "nightly"
+
+
+def examples(ci: int) -> int:
+    return 2000 if NIGHTLY else ci
 
 
 def exact_sq_norm(a: torch.Tensor, g: torch.Tensor) -> float:
@@ -59,7 +66,7 @@ def alternating(t: int, d: int, scale: float, seed: int, dtype: torch.dtype) -> 
 # --- the certified Gram norm itself ---------------------------------------------------
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     t=st.sampled_from([2, 4, 16, 64]),
     d=st.sampled_from([3, 64, 512]),
@@ -71,7 +78,7 @@ def test_gram_norm_is_an_upper_bound_of_the_exact_norm(t, d, spread, scale, seed
     a = cancelling(t, d, scale, spread, seed, torch.float32)
     g = alternating(t, 5, 1.0, seed, torch.float32)
     sq, s = cert.gram_sq_norms(a[None, None], g[None, None])
-    if d <= 64:  # exact rational arithmetic is affordable here
+    if t * d <= 1024:  # exact rational arithmetic is affordable here
         assert float(sq[0]) >= exact_sq_norm(a, g)
     # always: never NaN, never negative, never above the triangle bound
     assert math.isfinite(float(sq[0])) and 0.0 <= float(sq[0]) <= float(s[0]) ** 2 * (1 + 1e-12)
@@ -125,7 +132,7 @@ def _signed_output_loss(fmodel, p, x, y):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(
     t=st.sampled_from([16, 64]),
     spread=st.sampled_from([1e-6, 1e-3, 1e-1]),
@@ -163,7 +170,7 @@ def _conv_loss(fmodel, p, x, y):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(spread=st.sampled_from([1e-6, 1e-2]), scale=st.sampled_from([1e-4, 1.0, 1e6]), seed=st.integers(0, 2**16))
 def test_conv_contribution_at_most_c_on_constant_images(backend, dtype, spread, scale, seed):
     # A nearly constant image under a checkerboard output gradient: the patches cancel.
@@ -197,7 +204,7 @@ def _tied_loss(fmodel, p, ids, y):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(scale=st.sampled_from([1e-3, 1.0, 1e3]), seed=st.integers(0, 2**16))
 def test_tied_embedding_contribution_at_most_c_on_repeated_tokens(backend, dtype, scale, seed):
     # One token repeated with alternating output gradients: the lookup's rows and the head's
@@ -213,7 +220,7 @@ def test_tied_embedding_contribution_at_most_c_on_repeated_tokens(backend, dtype
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(scale=st.sampled_from([1e-20, 1e-3, 1.0, 1e3, 1e15]), seed=st.integers(0, 2**16))
 def test_norm_and_embedding_contributions_at_most_c_at_extreme_scales(backend, dtype, scale, seed):
     torch.manual_seed(seed)
