@@ -26,10 +26,12 @@ def agrees(running: float, one_shot: float) -> bool:
     the FFT rounding bounds and the tail cuts are paid. The running one is never looser
     than the one-shot by more than 1e-6 (the issue's tolerance). It may be *tighter*:
     the one-shot Fourier product adds one uniform rounding bound to every bin, which at
-    delta 1e-8 makes it looser than the exact value by up to ~3e-6 (measured), while the
-    running one pays a bound of each bin's own order; 2e-5 leaves room for that.
+    delta 1e-8 makes it looser than the exact value (by 2.0e-5 for poisson(1.0, 1/64) then
+    poisson(0.625, 1/64): one-shot 4.424286, running 4.4241970, dp_accounting at a 1e-5
+    grid 4.4241968), while the running one pays a bound of each bin's own order; 5e-5
+    leaves room for that.
     """
-    return one_shot * (1 - 2e-5) - 1e-12 <= running <= one_shot * (1 + 1e-6) + 1e-12
+    return one_shot * (1 - 5e-5) - 1e-12 <= running <= one_shot * (1 + 1e-6) + 1e-12
 
 
 def poisson(sigma: float, q: float) -> acc.DpProcess:
