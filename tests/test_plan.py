@@ -29,9 +29,9 @@ def _plan(**kw) -> DPPlan:
 
 def test_the_plan_calibrates_once_and_everything_reads_it():
     plan = _plan()
-    # the plan calibrates 1e-5 (relative) below its target, so the accountant's step-by-step
+    # the plan calibrates 1e-4 (relative) below its target, so the accountant's step-by-step
     # composition (within ~1e-6 of the one-shot one) never refuses the plan's last step
-    direct = acc.calibrate(acc.epsilon_budget(3.0 * (1 - 1e-5), 1e-5),
+    direct = acc.calibrate(acc.epsilon_budget(3.0 * (1 - 1e-4), 1e-5),
                            lambda s: dpsgd_acc.poisson(dpsgd_acc.gaussian(s), B / N) * STEPS)
     assert plan.noise_multiplier == direct.param and plan.sample_rate == B / N and plan.epochs == STEPS * B / N
     assert 3.0 * (1 - 1e-3) <= plan.epsilon() <= 3.0
@@ -80,7 +80,7 @@ def test_a_zero_noise_plan_is_an_explicit_baseline_with_epsilon_inf():
     with pytest.raises(InputValueError, match="non-private baseline"):
         plan.accountant()
     fixed = _plan(target_epsilon=None, noise_multiplier=1.0)
-    assert fixed.accountant().budget.epsilon == pytest.approx(fixed.epsilon() * (1 + 1e-5), rel=1e-12)
+    assert fixed.accountant().budget.epsilon == pytest.approx(fixed.epsilon() * (1 + 1e-4), rel=1e-12)
 
 
 def test_the_sampler_has_the_plans_rate_and_steps_and_shards_by_rank():
