@@ -37,9 +37,6 @@ norms and the sum equal the true per-example gradients').
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 import weakref
 from typing import Any
 
@@ -48,7 +45,7 @@ from torch import nn
 
 from opake_fx.dpsgd.clipping import _certified as cert
 from opake_fx.dpsgd.clipping import _layers as L
-from opake_fx.errors import SlowPathWarning
+from opake_fx.dpsgd.clipping._per_example import warn_slow_path
 
 KIND = "affine_norm"
 
@@ -237,23 +234,12 @@ def _signature(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 def _fallback(module: nn.Module, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-    warnings.warn(
+    warn_slow_path(
         f"clip_backend 'ghost'/'auto': {type(module).__name__} has a norm-like weight (one 1-D weight of its input's last "
         f"dimension) but {reason}; its parameters take the per-module fallback (vmap of its vjp over examples: exact, "
-        "slower).",
-        SlowPathWarning,
-        stacklevel=_user_stacklevel(),
+        "slower)."
     )
     return "fallback", args, kwargs
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside opake_fx."""
-    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 __all__ = ["KIND", "affine_norm_grad", "is_candidate", "route"]
