@@ -29,7 +29,7 @@ in-place SGD). Timing is interleaved with one untimed settle step per turn (medi
 memory is the peak RSS growth of 2 steps after setup, in a fresh process per variant.
 HF workloads need the ``hf`` extra and are skipped without it.
 
-    python benchmarks/architectures.py --quick       # about 5 minutes on 2 cores
+    python benchmarks/architectures.py --quick       # about 2.5 minutes on 2 cores
 """
 
 from __future__ import annotations
