@@ -36,53 +36,13 @@ from tests.integrations import _zoo as Z
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft on transformers 5
 
 BACKENDS = ("vmap", "ghost", "auto")
-HF_MASKED = ("llama", "qwen2", "gpt_neox", "gpt2_tied", "gpt2_default_positions", "bert_cls", "bert_mlm",
-             "roberta_mlm", "t5", "llama_lora")
-RNNS = ("lstm", "gru", "lstm_2layer", "lstm_2layer_h_n")
 
 # --- what fails today, and why -----------------------------------------------------------------
-# (case, size label or "*", backend or "*", reason, exception type(s) expected today).
-# The first match wins.
-
-VMAP_HF_MASK = (
-    "vmap backend: transformers' sdpa mask code (masking_utils._ignore_causal_mask_sdpa / "
-    "_ignore_bidirectional_mask_sdpa) calls .all() on the vmapped attention mask -> raw functorch error; "
-    "_engine.vmap_backend has no exact per-example fallback"
-)
-VMAP_RNN = (
-    "vmap of a float64 nn.LSTM/GRU fails inside aten ('output with shape [1, gates*H] doesn't match the "
-    "broadcast shape [B, 1, gates*H]') -> raw error; no exact per-example fallback"
-)
-FAST_RNN = (
-    "LSTM/GRU: h_n/c_n are [layers, B, H], so _ghost._batched rejects the call and routes it to the whole-loss "
-    "vmap -> the same raw float64 RNN vmap error; no RNN rule, no per-example-loop fallback"
-)
-FAST_RNN_LAYERS = (
-    "LSTM/GRU with B == num_layers: h_n [layers, B, H] passes _ghost._batched by size -> module fallback "
-    "(_layers.module_per_example, vmap) -> raw float64 RNN vmap error"
-)
-TIED_BIAS = (
-    "parent-owned tied bias (decoder.bias = self.bias): the head's module fallback and the decoder's Linear "
-    "rule both count it (2x the batch gradient) -> _ghost._adds_up fails -> whole-loss fallback (SlowPathWarning, "
-    "then a raw HF mask .all() error under vmap)"
-)
-T5_MASK = (
-    "T5 relative_attention_bias looked up with a [T, T] bucket tensor -> whole-loss vmap (and misrouted as "
-    "batched when B == T) -> HF mask .all() raw error"
-)
-T5_B_EQ_T = (
-    "T5 relative_attention_bias looked up with [T, T] buckets; T == B passes _ghost._batched by size, so the "
-    "nn.Embedding rule takes positions for examples: silently wrong norms and sum, no warning"
-)
-WHOLE_LOSS_HF_MASK = (
-    "GPT-2's wpe is looked up with [1, T] positions -> whole-loss fallback (SlowPathWarning, as documented), "
-    "which is vmap of the loss -> raw HF mask .all() error; _ghost._whole_loss_per_example has no loop fallback"
-)
-BAG_OFFSETS_VMAP = "vmap backend: boolean-mask indexing in the model (data-dependent shape) -> raw functorch error, no fallback"
-
-RAW = RuntimeError  # a raw torch/functorch error today
-WRONG = AssertionError  # silently wrong numbers today (or a fallback that does not say so)
-SLOW = (SlowPathWarning, RuntimeError)  # a slow path where rules are required (raised as an error), then a raw error
+# (case, size label or "*", backend or "*", reason, exception type(s) expected today), each
+# becoming a strict xfail; the first match wins. Empty: every case passes on every backend.
+# (This round fixed: HF masks and float64 RNNs under vmap, by the exact per-example loop; T5
+# at B == T, by the batch axis by provenance; BERT/RoBERTa's tied decoder bias; RMSNorm and
+# EmbeddingBag rules.)
 
 XFAIL: list[tuple[str, str, str, str, Any]] = [
 ]
