@@ -39,7 +39,6 @@ would silently use the module's own, possibly stale, parameters).
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import Any, Callable, Literal
 
 import optree
@@ -53,9 +52,9 @@ from opake_fx.dpsgd.clipping import _embedding_bag as EB
 from opake_fx.dpsgd.clipping import _layers as L
 from opake_fx.dpsgd.clipping.rules import registered_rule, run_rule
 from opake_fx.dpsgd.clipping._provenance import BatchLayout, probe, signature, tensor_leaves
-from opake_fx.dpsgd.clipping._per_example import first_caller_outside_package, map_examples, warn_slow_path
+from opake_fx.dpsgd.clipping._per_example import map_examples, warn_slow_path
 from opake_fx.dpsgd.clipping._engine import Backend, ClipConfig, PerExampleNorms, _diff_tree, batch_size_of, vmap_backend
-from opake_fx.errors import InputTypeError, InputValueError, OperationError, SlowPathWarning
+from opake_fx.errors import InputTypeError, InputValueError, OperationError
 from opake_fx.functional import FunctionalModel
 from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths
 
@@ -815,13 +814,11 @@ def _warn_slow_path(root: nn.Module, mode: str, capture: _Capture, leaves: list[
         where = f"{paths.get(id(module), type(module).__name__)}.{name}".lstrip(".") if module is not None else (
             f"leaf {i} (shape {tuple(leaves[i].shape)})")
         parts.append(f"{where}: {reason}")
-    warnings.warn(
+    warn_slow_path(
         f"clip_backend={mode!r}: {len(parts)} parameter(s) take the whole-loss fallback (vmap of the loss over single "
         f"examples; exact, but it runs the model once more per example): " + "; ".join(parts) + ". To keep them on the "
         "layer rules, give every layer input the batch as first dimension (for position embeddings: "
-        "position_ids=torch.arange(T).expand(B, T)) and use parameters only inside module calls.",
-        SlowPathWarning,
-        stacklevel=first_caller_outside_package(),
+        "position_ids=torch.arange(T).expand(B, T)) and use parameters only inside module calls."
     )
 
 
