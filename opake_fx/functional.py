@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from opake_fx.typing import typechecked
-from opake_fx.errors import InputTypeError, OperationError
+from opake_fx.errors import InputTypeError, InputValueError, OperationError
 
 __all__ = ["FunctionalModel", "make_functional", "empty_collate", "with_batch_dim"]
 
@@ -34,16 +34,24 @@ class FunctionalModel:
     :attr:`param_names`); buffers (e.g. GroupNorm statistics are not buffers, but
     BatchNorm running stats are) are read from the module. Tied parameters appear once.
 
+    With ``trainable_only=True`` only the parameters with ``requires_grad`` (e.g. the
+    LoRA adapters of a PEFT model) are in ``params``; the frozen ones stay in the module
+    and are read from it as constants, so they never enter a gradient, a clip or a noise.
+
     Attributes:
-        model: the wrapped module (its own parameters are never used by ``__call__``).
+        model: the wrapped module (the parameters in ``params`` are never read from it by
+            ``__call__``).
         param_names: names of the parameters, aligned with ``params``.
+        trainable_only: whether ``params`` holds the trainable parameters only.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, trainable_only: bool = False) -> None:
         self.model = model
-        self.param_names: tuple[str, ...] = tuple(name for name, _ in model.named_parameters())
+        self.trainable_only = trainable_only
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad or not trainable_only]
+        self.param_names: tuple[str, ...] = tuple(name for name, _ in named)
         # Every place a parameter lives, tied copies included: (module, attribute, index into params).
-        index = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
+        index = {id(p): i for i, (_, p) in enumerate(named)}
         self._slots: tuple[tuple[nn.Module, str, int], ...] = tuple(
             (m, name, index[id(p)])
             for _, m in model.named_modules(remove_duplicate=False)
@@ -74,34 +82,66 @@ class FunctionalModel:
 
     def load_into_model(self, params: Sequence[torch.Tensor]) -> nn.Module:
         """Copies ``params`` into the wrapped module's parameters and returns the module."""
+        own = dict(self.model.named_parameters())
+        if len(params) != len(self.param_names):
+            raise InputTypeError(
+                f"load_into_model: this model has {len(self.param_names)} parameters in params but "
+                f"{len(params)} were given; pass the params tuple that make_functional returned (or an update of it)."
+            )
         with torch.no_grad():
-            for p, new in zip(self.model.parameters(), params, strict=True):
-                p.copy_(new)
+            for name, new in zip(self.param_names, params):
+                own[name].copy_(new)
         return self.model
 
 
 @typechecked
-def make_functional(model: nn.Module) -> tuple[FunctionalModel, tuple[torch.Tensor, ...]]:
+def make_functional(model: nn.Module, trainable_only: bool = False) -> tuple[FunctionalModel, tuple[torch.Tensor, ...]]:
     """Splits ``model`` into a pure function and its parameters.
+
+    Args:
+        model: any module.
+        trainable_only: ``False`` (default): every parameter is in ``params``. ``True``:
+            only the parameters with ``requires_grad`` (LoRA adapters, an unfrozen
+            head...); the frozen ones are read from the module as constants. This is what
+            parameter-efficient fine-tuning needs: the clipped gradients, the noise and
+            the optimizer state cover the trainable subset only.
 
     Returns:
         ``(fmodel, params)``: ``fmodel(params, *inputs)`` runs the module with
-        ``params`` in place of its own parameters (works under ``torch.func.vmap`` and
-        ``grad``); ``params`` is a tuple of detached tensors in ``model.parameters()``
-        order.
+        ``params`` in place of its own (trainable) parameters (works under
+        ``torch.func.vmap`` and ``grad``); ``params`` is a tuple of detached tensors in
+        ``model.parameters()`` order, named by ``fmodel.param_names``.
 
-    Privacy: none by itself; it only changes how the model is called.
+    Privacy: none by itself; it only changes how the model is called. With
+    ``trainable_only=True`` the frozen parameters are constants of the function: only
+    the trainable ones are released by a DP step built on it.
+
+    Raises:
+        InputTypeError: ``model`` is not a module.
+        InputValueError: ``trainable_only=True`` and no parameter requires grad.
 
     Example:
         >>> import torch
         >>> fmodel, params = make_functional(torch.nn.Linear(2, 1))
         >>> [tuple(p.shape) for p in params]
         [(1, 2), (1,)]
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+        >>> net[0].requires_grad_(False)  # doctest: +ELLIPSIS
+        Linear(...)
+        >>> fmodel, params = make_functional(net, trainable_only=True)
+        >>> fmodel.param_names, fmodel(params, torch.ones(4, 2)).shape
+        (('1.weight', '1.bias'), torch.Size([4, 1]))
     """
     if not isinstance(model, nn.Module):
         raise InputTypeError(f"make_functional needs an nn.Module; got {type(model).__name__}.")
-    fmodel = FunctionalModel(model)
-    params = tuple(p.detach() for p in model.parameters())
+    fmodel = FunctionalModel(model, trainable_only=trainable_only)
+    if trainable_only and not fmodel.param_names:
+        raise InputValueError(
+            "make_functional(trainable_only=True): no parameter of the model requires grad, so there is nothing "
+            "to train. Unfreeze the parameters to train (e.g. peft's get_peft_model marks the adapters trainable)."
+        )
+    own = dict(model.named_parameters())
+    params = tuple(own[name].detach() for name in fmodel.param_names)
     return fmodel, params
 
 
