@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --disable-pip-version-check -c constraints.txt -e ".[test,demo,hf,docs]"
+	$(PIP) install -q --disable-pip-version-check -c constraints.txt -e ".[test,demo,hf,docs,notebook]"
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (opake_fx .venv)" >/dev/null
 	touch $(STAMP)
 
 install: $(STAMP)
