@@ -20,7 +20,7 @@ from numbers import Real
 from typing import Any, ClassVar
 
 from opake_fx._typecheck import typechecked
-from opake_fx.accounting import _validation as check
+import opake_fx.validation as check
 from opake_fx.accounting.pld import DEFAULT_DISCRETIZATION
 from opake_fx.accounting.process import DpProcess
 from opake_fx.errors import InputTypeError, InputValueError

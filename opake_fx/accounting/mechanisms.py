@@ -22,7 +22,7 @@ from scipy import stats
 
 from opake_fx._typecheck import typechecked
 from opake_fx.accounting import _curves
-from opake_fx.accounting import _validation as check
+import opake_fx.validation as check
 from opake_fx.accounting import rdp as _rdp
 from opake_fx.accounting.process import ADD_OR_REMOVE_ONE, REPLACE_ONE, DpProcess, Identity, NonPrivate, identity
 from opake_fx.errors import InputTypeError, InputValueError

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from opake_fx._typecheck import typechecked
-from opake_fx.accounting import _validation as check
+import opake_fx.validation as check
 from opake_fx.accounting import pld as _pld
 from opake_fx.accounting import rdp as _rdp
 from opake_fx.errors import InputTypeError, InputValueError

@@ -19,7 +19,7 @@ import math
 from numbers import Integral, Real
 
 from opake_fx._typecheck import typechecked
-from opake_fx.accounting import _validation as check
+import opake_fx.validation as check
 from opake_fx.accounting.mechanisms import (
     AdaptiveClippingGaussian,
     Gaussian,

@@ -13,9 +13,11 @@ ROOT = Path(__file__).parents[2]
 FILES = sorted((ROOT / "opake_fx" / "accounting").glob("*.py")) + [
     ROOT / "opake_fx" / "dpsgd" / "accounting.py",
     ROOT / "opake_fx" / "_typecheck.py",
+    ROOT / "opake_fx" / "validation.py",
 ]
 # opake_fx._typecheck is the torch-free runtime type checker (beartype) behind opake_fx.typing.
-ALLOWED_OPAKE = {"opake_fx.errors", "opake_fx.accounting", "opake_fx._typecheck"}
+# opake_fx.validation is the library's torch-free home of argument checks.
+ALLOWED_OPAKE = {"opake_fx.errors", "opake_fx.accounting", "opake_fx._typecheck", "opake_fx.validation"}
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
