@@ -34,13 +34,60 @@ from typing import Any
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.random import RngKey, fold_in
 
-__all__ = ["DPPlan", "SAMPLERS", "MECHANISMS"]
+__all__ = ["DPPlan", "Participation", "SAMPLERS", "MECHANISMS", "COMPATIBLE"]
 
-SAMPLERS = ("poisson", "truncated_poisson", "cyclic_poisson")
+SAMPLERS = ("poisson", "truncated_poisson", "cyclic_poisson", "b_min_sep", "balls_in_bins")
 """The samplers a plan can use; each comes with its own accounting."""
 
-MECHANISMS = ("gaussian", "band_mf")
-"""The noise mechanisms a plan can use: DP-SGD's Gaussian, or DP-FTRL with a BandMF strategy."""
+MECHANISMS = ("gaussian", "band_mf", "bsr", "blt")
+"""The noise mechanisms: DP-SGD's Gaussian, or DP-FTRL with a BandMF, BSR or BLT strategy."""
+
+COMPATIBLE: dict[str, tuple[str, ...]] = {
+    "gaussian": ("poisson", "truncated_poisson"),
+    "band_mf": ("cyclic_poisson", "b_min_sep", "balls_in_bins"),
+    "bsr": ("cyclic_poisson", "b_min_sep", "balls_in_bins"),
+    "blt": ("b_min_sep", "balls_in_bins"),
+}
+"""The samplers each mechanism goes with (the pairs whose accounting the plan knows).
+
+* ``gaussian`` (DP-SGD): Poisson amplification (``poisson``, ``truncated_poisson``).
+* banded strategies (``band_mf``, ``bsr``) under ``cyclic_poisson``: amplified BandMF,
+  ``ceil(steps / bands)`` Poisson-subsampled Gaussian opportunities.
+* any strategy under ``b_min_sep`` or ``balls_in_bins``: the whole run ``C x + z`` as one
+  Gaussian mechanism whose sensitivity is the strategy's under the sampler's guaranteed
+  pattern (participations at least ``min_sep`` steps apart, at most
+  ``ceil(steps / min_sep)`` of them), without amplification (the amplified accounting of
+  these samplers is Monte Carlo and does not compose step by step; use
+  :mod:`opake_fx.dpftrl.accounting` directly for it).
+"""
+
+
+@dataclass(frozen=True)
+class Participation:
+    """How one example can take part in a plan's run: the ONE value the noise and the accounting read.
+
+    The DP-FTRL noise stage scales its noise to ``strategy.sensitivity(min_sep,
+    max_participations)`` over ``steps`` steps, and the plan's accounting charges the
+    same pattern, so the two cannot disagree.
+
+    Attributes:
+        steps: the run's length (the strategy's horizon).
+        min_sep: the fewest steps between two participations of one example.
+        max_participations: the most participations of one example that the noise is
+            scaled to (1 for the amplified samplers: one opportunity at a time).
+        amplified: True when the accounting composes per-opportunity sampling
+            amplification (``poisson``, ``truncated_poisson``, ``cyclic_poisson``); False
+            when the whole run is one Gaussian mechanism over this pattern.
+
+    Example:
+        >>> Participation(steps=100, min_sep=10, max_participations=10, amplified=False).max_participations
+        10
+    """
+
+    steps: int
+    min_sep: int
+    max_participations: int
+    amplified: bool
 
 
 @dataclass(frozen=True)
@@ -69,23 +116,34 @@ class DPPlan:
         noise_multiplier: sigma; the noise stddev is ``sigma * C / batch_size``.
         sampling: ``"poisson"`` or ``"truncated_poisson"`` (batches capped at
             ``max_batch_size``, accounted by ``truncated_poisson``) for the Gaussian
-            mechanism; ``"cyclic_poisson"`` for ``"band_mf"`` (the data split into
+            mechanism; ``"cyclic_poisson"`` for a banded strategy (the data split into
             ``bands`` keyed groups, step ``t`` Poisson-samples group ``t mod bands`` at
-            :attr:`group_rate`, so an example participates at least ``bands`` steps apart).
+            :attr:`group_rate`, so an example participates at least ``bands`` steps apart);
+            ``"b_min_sep"`` (an available example joins with :attr:`participation_rate`,
+            then rests ``min_sep - 1`` steps; warm-started, so the mean batch is
+            ``batch_size`` from step 0) or ``"balls_in_bins"`` (each example in one of
+            ``min_sep`` keyed bins, used every ``min_sep`` steps) for any DP-FTRL
+            strategy. :data:`COMPATIBLE` lists the pairs.
         max_batch_size: the cap of ``"truncated_poisson"``.
-        mechanism: ``"gaussian"`` (DP-SGD) or ``"band_mf"`` (DP-FTRL with a ``bands``-banded
-            BandMF strategy over ``steps``, accounted as amplified BandMF:
-            :func:`opake_fx.dpftrl.accounting.poisson`).
-        bands: the number of bands of ``"band_mf"``.
+        mechanism: ``"gaussian"`` (DP-SGD), or DP-FTRL with a strategy over ``steps``:
+            ``"band_mf"`` (optimised ``bands``-banded), ``"bsr"`` (banded square root,
+            ``bands`` wide) or ``"blt"`` (buffered linear Toeplitz, optimised for the
+            plan's :attr:`participation`).
+        bands: the number of bands of ``"band_mf"`` / ``"bsr"``.
+        min_sep: the separation of ``"b_min_sep"`` / the cycle length (number of bins)
+            of ``"balls_in_bins"``; ``batch_size`` of balls-in-bins is
+            ``dataset_size / min_sep`` (derived when not given).
         clip_backend: ``"vmap"``, ``"ghost"`` or ``"auto"`` (see ``clipped_grad``).
         accountant_kind: ``"pld"`` (default) or ``"rdp"``: how epsilon is measured.
 
     Privacy contract: the pipeline clips each example to ``clipping_norm``, sums over
     ranks and adds Gaussian noise of multiplier ``noise_multiplier`` to a sum of
-    sensitivity ``clipping_norm / batch_size``; the sampler draws Poisson batches with
-    ``sample_rate`` for ``steps`` steps (each rank its disjoint shard, with
-    ``fold_in(key, rank)``); the accountant charges ``step_cost`` per step. All three
-    read the same fields, which is what makes the accounted epsilon the run's epsilon.
+    sensitivity ``clipping_norm / batch_size`` (DP-FTRL: correlated noise ``C^{-1} z``
+    with ``z`` scaled to the strategy's sensitivity under :attr:`participation`); the
+    sampler draws the plan's batches for ``steps`` steps (each rank its disjoint shard,
+    with ``fold_in(key, rank)``); the accountant charges ``step_cost_at(t)`` at step
+    ``t``. All three read the same fields, which is what makes the accounted epsilon the
+    run's epsilon.
 
     Raises:
         InputValueError / InputTypeError: a missing, contradictory or invalid field.
@@ -107,36 +165,46 @@ class DPPlan:
     bands: int | None = None
     clip_backend: str = "vmap"
     accountant_kind: str = "pld"
+    min_sep: int | None = None
 
     def __post_init__(self) -> None:
         n = _int(self.dataset_size, "dataset_size", 1)
-        q, b = _sampling(n, self.batch_size, self.sample_rate)
+        _choice(self.sampling, "sampling", SAMPLERS)
+        _choice(self.mechanism, "mechanism", MECHANISMS)
+        if self.sampling not in COMPATIBLE[self.mechanism]:
+            raise InputValueError(
+                f"DPPlan: sampling={self.sampling!r} does not go with mechanism={self.mechanism!r} (the plan has no "
+                f"sound accounting for that pair). mechanism={self.mechanism!r} takes sampling in "
+                f"{COMPATIBLE[self.mechanism]}; the valid pairs are {_pairs()}."
+            )
+        min_sep = self._resolve_min_sep(n)
+        batch_size = self.batch_size
+        if self.sampling == "balls_in_bins" and batch_size is None and self.sample_rate is None:
+            batch_size = n / min_sep  # every example once per cycle of min_sep bins
+        q, b = _sampling(n, batch_size, self.sample_rate)
         steps, epochs = _length(q, self.steps, self.epochs)
         c = _real(self.clipping_norm, "clipping_norm", "the per-example clip norm, e.g. 1.0")
         if not (c > 0 and math.isfinite(c)):
             raise InputValueError(f"DPPlan: clipping_norm must be finite and > 0; got {c}.")
-        _choice(self.sampling, "sampling", SAMPLERS)
-        _choice(self.mechanism, "mechanism", MECHANISMS)
-        if self.mechanism == "band_mf":
-            if self.sampling != "cyclic_poisson":
-                raise InputValueError(
-                    "DPPlan(mechanism='band_mf') needs sampling='cyclic_poisson': its accounting (amplified BandMF) "
-                    "assumes each example participates at most once every `bands` steps."
-                )
+        if min_sep is not None:
+            self._check_min_sep(n, b, steps, min_sep)
+        if self.mechanism in ("band_mf", "bsr"):
             bands = _int(self.bands, "bands", 1) if self.bands is not None else None
             if bands is None:
-                raise InputValueError("DPPlan(mechanism='band_mf') needs bands (e.g. 4): the strategy's band count.")
-            if b * bands > n:
+                raise InputValueError(
+                    f"DPPlan(mechanism={self.mechanism!r}) needs bands (e.g. 4): the strategy's band count."
+                )
+            if self.sampling == "cyclic_poisson" and b * bands > n:
                 raise InputValueError(
                     f"DPPlan: batch_size * bands = {b * bands} exceeds dataset_size={n}: each of the {bands} groups "
                     "cannot supply the expected batch. Use fewer bands or a smaller batch."
                 )
             object.__setattr__(self, "bands", bands)
-        else:
-            if self.sampling == "cyclic_poisson":
-                raise InputValueError("DPPlan: sampling='cyclic_poisson' goes with mechanism='band_mf'.")
-            if self.bands is not None:
-                raise InputValueError("DPPlan: bands applies to mechanism='band_mf' only.")
+        elif self.bands is not None:
+            raise InputValueError(
+                f"DPPlan: bands applies to mechanism='band_mf' or 'bsr' only; mechanism={self.mechanism!r}."
+            )
+        object.__setattr__(self, "min_sep", min_sep)
         _choice(self.clip_backend, "clip_backend", ("vmap", "ghost", "auto"))
         _choice(self.accountant_kind, "accountant_kind", ("pld", "rdp"))
         cap = None
@@ -167,10 +235,14 @@ class DPPlan:
             rank, world_size: default: the current process group's (1 process: 0, 1).
 
         Returns:
-            A ``DataLoader`` batch sampler yielding indices into ``dataset``.
+            A ``DataLoader`` batch sampler yielding indices into ``dataset``:
+            ``PoissonSampler`` / ``TruncatedPoissonSampler`` (Gaussian), or
+            ``CyclicPoissonSampler`` / ``MinSepSampler`` (warm-started) /
+            ``BallsInBinsSampler`` from :mod:`opake_fx.dpftrl.sampling`.
 
-        Privacy: the union of the ranks' batches is a Poisson sample of the whole dataset
-        with rate ``sample_rate`` (disjoint shards, independent keys), as accounted.
+        Privacy: each example's participation depends only on its own keyed draws, so the
+        union of the ranks' batches (disjoint shards, independent keys) is the plan's
+        sampler over the whole dataset, with the pattern the accountant charges.
         """
         from opake_fx.distributed import get_rank, get_world_size, shard_bounds
         from opake_fx.dpsgd.sampling import PoissonSampler, TruncatedPoissonSampler
@@ -193,6 +265,15 @@ class DPPlan:
             inner: Any = CyclicPoissonSampler(
                 shard, sample_rate=self.group_rate, partitions=self.bands, n_steps=self.steps, key=local_key
             )
+        elif self.sampling == "b_min_sep":
+            from opake_fx.dpftrl.sampling import MinSepSampler
+
+            inner = MinSepSampler(shard, sample_rate=self.participation_rate, min_sep=self.min_sep,
+                                  n_steps=self.steps, key=local_key, warm_start=True)
+        elif self.sampling == "balls_in_bins":
+            from opake_fx.dpftrl.sampling import BallsInBinsSampler
+
+            inner = BallsInBinsSampler(shard, cycle_length=self.min_sep, n_steps=self.steps, key=local_key)
         elif self.sampling == "truncated_poisson":
             if world_size > 1:
                 raise InputValueError(
@@ -226,18 +307,20 @@ class DPPlan:
             batch_argnums: the positions of the batch tensors in ``loss_fn``.
 
         Privacy: clip to ``clipping_norm``, divide by ``batch_size``, sum over ranks, add
-        ``noise_multiplier * clipping_norm / batch_size`` Gaussian noise: the mechanism
-        that :attr:`step_cost` accounts.
+        ``noise_multiplier * clipping_norm / batch_size`` Gaussian noise (DP-FTRL: the
+        strategy's correlated noise, its ``z`` scaled to the sensitivity under
+        :attr:`participation`): the mechanism that :meth:`step_cost_at` accounts.
         """
         from opake_fx.distributed import psum
         from opake_fx.dpsgd import clip, noise
         from opake_fx.transforms import named_chain
 
-        if self.mechanism == "band_mf":
+        if self.mechanism != "gaussian":
             from opake_fx.dpftrl import noise as mf_noise
 
-            # per-participation sensitivity (min_sep=1, max_participations=1): what amplified BandMF assumes
-            noise_stage = mf_noise(self.strategy, noise_multiplier=self.noise_multiplier, key=key)
+            p = self.participation  # the same value the accounting reads
+            noise_stage = mf_noise(self.strategy, noise_multiplier=self.noise_multiplier, key=key, min_sep=p.min_sep,
+                                   max_participations=p.max_participations, n_steps=p.steps)
         else:
             noise_stage = noise(noise_multiplier=self.noise_multiplier, key=key)
         return named_chain(
@@ -252,11 +335,11 @@ class DPPlan:
     def step_cost(self) -> Any:
         """The :class:`~opake_fx.accounting.DpProcess` of one step (the sampler's and the noise's).
 
-        For ``"band_mf"`` the cost differs from step to step: use :meth:`step_cost_at`.
+        For DP-FTRL plans the cost differs from step to step: use :meth:`step_cost_at`.
         """
-        if self.mechanism == "band_mf":
+        if self.mechanism != "gaussian":
             raise InputValueError(
-                "DPPlan.step_cost: a band_mf plan charges its opportunities every `bands` steps; use "
+                f"DPPlan.step_cost: a {self.mechanism} plan's cost differs from step to step; use "
                 "plan.step_cost_at(step) (what the accountant charges at that step)."
             )
         return self.step_cost_at(0)
@@ -264,9 +347,12 @@ class DPPlan:
     def step_cost_at(self, step: int) -> Any:
         """What step ``step`` (from 0) costs: charge it to the accountant before releasing the step.
 
-        Gaussian: ``step_cost`` at every step. ``band_mf``: one Poisson-subsampled
+        Gaussian: ``step_cost`` at every step. Cyclic Poisson: one Poisson-subsampled
         Gaussian opportunity at steps ``0, bands, 2 * bands, ...`` (the worst-placed
-        example's group), nothing in between; the increments compose to the whole run.
+        example's group), nothing in between. ``b_min_sep`` / ``balls_in_bins``: the
+        Gaussian increment of the first ``step + 1`` releases over the first ``step``
+        (:func:`opake_fx.dpftrl.accounting.mf_gaussian_steps` under :attr:`participation`).
+        In every case the increments compose to the whole run.
         """
         t = _int(step, "step", 0)
         if t >= self.steps:
@@ -275,10 +361,12 @@ class DPPlan:
             from opake_fx.accounting import nonprivate
 
             return nonprivate()
-        if self.mechanism == "band_mf":
+        if self.sampling == "cyclic_poisson":
             from opake_fx.accounting import identity
 
             return self._opportunity(self.noise_multiplier) if t % self.bands == 0 else identity()
+        if not self.participation.amplified:
+            return self._increments()[t]
         return self._step(self.noise_multiplier)
 
     @property
@@ -287,15 +375,50 @@ class DPPlan:
         return self.sample_rate * (self.bands or 1)
 
     @property
+    def participation_rate(self) -> float:
+        """The b-min-sep sampler's join probability ``p`` of an available example.
+
+        Its stationary mean batch is ``N p / (1 + (min_sep - 1) p)``; ``p`` is solved so
+        that this is ``batch_size``.
+        """
+        if self.sampling != "b_min_sep":
+            raise InputValueError("DPPlan.participation_rate: only a sampling='b_min_sep' plan has one.")
+        b = self.batch_size
+        return min(1.0, b / (self.dataset_size - (self.min_sep - 1) * b))
+
+    @property
+    def participation(self) -> Participation:
+        """The participation pattern that the noise stage is scaled to and the accountant charges.
+
+        Gaussian: one participation per step, amplified. Cyclic Poisson: one participation
+        per opportunity (``min_sep = bands``), amplified. ``b_min_sep`` / ``balls_in_bins``:
+        participations at least ``min_sep`` apart, at most ``ceil(steps / min_sep)``.
+        """
+        if self.sampling in ("b_min_sep", "balls_in_bins"):
+            return Participation(self.steps, self.min_sep, -(-self.steps // self.min_sep), amplified=False)
+        return Participation(self.steps, self.bands or 1, 1, amplified=True)
+
+    @property
     def strategy(self) -> Any:
-        """The BandMF strategy of a ``"band_mf"`` plan (built once, ``bands`` bands over ``steps``)."""
-        if self.mechanism != "band_mf":
-            raise InputValueError("DPPlan.strategy: only a mechanism='band_mf' plan has a strategy.")
+        """The DP-FTRL strategy of the plan, built once over ``steps``.
+
+        ``band_mf``: ``band_mf_strategy(steps, bands)``; ``bsr``: ``bsr_strategy(steps,
+        bands)``; ``blt``: ``blt_strategy(steps, min_sep=..., max_participations=...)``
+        optimised for the plan's :attr:`participation`.
+        """
+        if self.mechanism == "gaussian":
+            raise InputValueError("DPPlan.strategy: a mechanism='gaussian' plan has no DP-FTRL strategy.")
         cached = self.__dict__.get("_strategy")
         if cached is None:
-            from opake_fx.dpftrl import band_mf_strategy
+            import opake_fx.dpftrl as mf
 
-            cached = band_mf_strategy(self.steps, self.bands)
+            p = self.participation
+            if self.mechanism == "band_mf":
+                cached = mf.band_mf_strategy(self.steps, self.bands)
+            elif self.mechanism == "bsr":
+                cached = mf.bsr_strategy(self.steps, self.bands)
+            else:
+                cached = mf.blt_strategy(self.steps, min_sep=p.min_sep, max_participations=p.max_participations)
             self.__dict__["_strategy"] = cached  # a cache, not a field: equality and to_dict ignore it
         return cached
 
@@ -343,15 +466,77 @@ class DPPlan:
 
     def _run(self, nm: float, n: int) -> Any:
         """The DpProcess of the first ``n`` steps at noise multiplier ``nm``."""
-        if self.mechanism == "band_mf":
+        if self.sampling == "cyclic_poisson":
             return self._opportunity(nm) * -(-n // self.bands)  # ceil(n / bands) opportunities
+        if not self.participation.amplified:
+            import opake_fx.dpftrl.accounting as mf_acc
+
+            if n == self.steps:  # the whole run: one Gaussian mechanism over the pattern
+                p = self.participation
+                return mf_acc.mf_gaussian(nm, self.strategy, p.min_sep, p.max_participations, n_steps=p.steps)
+            from opake_fx.accounting import compose, identity
+
+            if nm != self.noise_multiplier:
+                raise InputValueError("DPPlan: prefix accounting is for the plan's own noise multiplier.")
+            out = identity()
+            for cost in self._increments()[:n]:
+                out = compose(out, cost)
+            return out
         return self._step(nm) * n
 
     def _opportunity(self, nm: float) -> Any:
         import opake_fx.dpftrl.accounting as mf_acc
 
-        # one Poisson-subsampled Gaussian per opportunity; the run is ceil(steps / bands) of them
-        return mf_acc.poisson_steps(nm, self.strategy, self.group_rate, partitions=self.bands)[0]
+        # one Poisson-subsampled Gaussian per opportunity; the run is ceil(steps / bands) of them; the
+        # noise is scaled to the sensitivity under the plan's participation, which the accounting reads too
+        p = self.participation
+        sens = self.strategy.sensitivity(p.min_sep, p.max_participations, n=p.steps)
+        return mf_acc.poisson_steps(nm, self.strategy, self.group_rate, partitions=self.bands, noise_sensitivity=sens)[0]
+
+    def _increments(self) -> list[Any]:
+        """Per-step costs of a pattern-accounted (b-min-sep / balls-in-bins) plan, built once."""
+        cached = self.__dict__.get("_increments_cache")
+        if cached is None:
+            import opake_fx.dpftrl.accounting as mf_acc
+
+            p = self.participation
+            cached = mf_acc.mf_gaussian_steps(self.noise_multiplier, self.strategy, p.min_sep, p.max_participations,
+                                              n_steps=p.steps)
+            self.__dict__["_increments_cache"] = cached
+        return cached
+
+    def _resolve_min_sep(self, n: int) -> int | None:
+        if self.sampling in ("b_min_sep", "balls_in_bins"):
+            if self.min_sep is None:
+                raise InputValueError(
+                    f"DPPlan(sampling={self.sampling!r}) needs min_sep: the fewest steps between two participations "
+                    "of one example (for balls_in_bins: the number of bins, dataset_size / batch_size)."
+                )
+            return _int(self.min_sep, "min_sep", 1)
+        if self.min_sep is not None:
+            raise InputValueError(
+                f"DPPlan: min_sep applies to sampling='b_min_sep' or 'balls_in_bins' only; sampling={self.sampling!r}."
+            )
+        return None
+
+    def _check_min_sep(self, n: int, b: float, steps: int, min_sep: int) -> None:
+        if self.sampling == "balls_in_bins":
+            if min_sep > steps:
+                raise InputValueError(
+                    f"DPPlan: min_sep={min_sep} bins exceed steps={steps}: the examples of the unused bins would never "
+                    "be seen. Use at most `steps` bins."
+                )
+            if not math.isclose(b, n / min_sep, rel_tol=1e-9):
+                raise InputValueError(
+                    f"DPPlan: balls_in_bins with min_sep={min_sep} bins has expected batch size dataset_size / min_sep "
+                    f"= {n / min_sep}, not batch_size={b}; leave batch_size out (it is derived) or change min_sep."
+                )
+        elif b * min_sep > n:
+            raise InputValueError(
+                f"DPPlan: batch_size * min_sep = {b * min_sep} exceeds dataset_size={n}: with each example resting "
+                f"min_sep - 1 = {min_sep - 1} steps after it joins, the expected batch cannot reach {b}. Use a smaller "
+                "min_sep or batch."
+            )
 
     def _step(self, nm: float) -> Any:
         import opake_fx.dpsgd.accounting as dpsgd_acc
@@ -483,3 +668,7 @@ def _int(value: Any, name: str, minimum: int) -> int:
 def _choice(value: Any, name: str, options: tuple[str, ...]) -> None:
     if value not in options:
         raise InputValueError(f"DPPlan: {name} must be one of {options}; got {value!r}.")
+
+
+def _pairs() -> str:
+    return "; ".join(f"{m}: {', '.join(s)}" for m, s in COMPATIBLE.items())

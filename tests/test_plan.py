@@ -14,7 +14,7 @@ import opake_fx.accounting as acc
 import opake_fx.dpsgd.accounting as dpsgd_acc
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.optimizers import sgd
-from opake_fx.plan import DPPlan
+from opake_fx.plan import COMPATIBLE, DPPlan, Participation
 from opake_fx.random import key
 from opake_fx.transforms import apply_updates
 
@@ -198,11 +198,20 @@ def test_a_dpftrl_plan_trains_and_its_accountant_spends_the_whole_run_value_comp
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
-        ({"sampling": "poisson"}, "needs sampling='cyclic_poisson'"),
+        ({"sampling": "poisson"}, r"mechanism='band_mf' takes sampling in \('cyclic_poisson', 'b_min_sep', 'balls_in_bins'\)"),
         ({"bands": None}, "needs bands"),
         ({"batch_size": 300}, "exceeds dataset_size"),
-        ({"mechanism": "gaussian"}, "goes with mechanism='band_mf'"),
+        ({"mechanism": "gaussian"}, "does not go with mechanism='gaussian'.*valid pairs are gaussian: poisson"),
         ({"mechanism": "gaussian", "sampling": "poisson"}, "bands applies"),
+        ({"mechanism": "blt", "bands": None}, "does not go with mechanism='blt'.*'b_min_sep', 'balls_in_bins'"),
+        ({"mechanism": "blt", "bands": None, "sampling": "poisson"}, "does not go with mechanism='blt'"),
+        ({"min_sep": 4}, "min_sep applies"),
+        ({"sampling": "b_min_sep"}, "needs min_sep"),
+        ({"sampling": "b_min_sep", "min_sep": 50}, "batch_size \\* min_sep = 1250.0 exceeds"),
+        ({"sampling": "balls_in_bins", "min_sep": 50, "batch_size": None}, "exceed steps=40"),
+        ({"sampling": "balls_in_bins", "min_sep": 10}, "not batch_size=25"),
+        ({"mechanism": "blt", "bands": 4, "sampling": "b_min_sep", "min_sep": 4}, "bands applies"),
+        ({"mechanism": "bsr", "bands": None}, "needs bands"),
     ],
 )
 def test_dpftrl_plan_fields_must_fit_together(kw, match):
@@ -229,3 +238,145 @@ def test_the_plans_accountant_admits_every_step_of_the_plan(given):
     assert accountant.spent_epsilon(1e-5) <= accountant.budget.epsilon
     if given == "target_epsilon":
         assert accountant.spent_epsilon(1e-5) <= 2.0
+
+
+def _participations(batches: list[list[int]]) -> dict[int, list[int]]:
+    seen: dict[int, list[int]] = {}
+    for t, batch in enumerate(batches):
+        for i in batch:
+            seen.setdefault(i, []).append(t)
+    return seen
+
+
+def test_a_blt_plan_under_b_min_sep_trains_and_its_accountant_spends_the_whole_run_value_computed_by_hand():
+    import opake_fx.dpftrl.accounting as mf_acc
+    from opake_fx.dpftrl import blt_strategy
+    from opake_fx.dpftrl.sampling import MinSepSampler
+
+    n, b, steps, sep = 400, 20, 60, 10
+    plan = DPPlan(dataset_size=n, batch_size=b, steps=steps, target_epsilon=2.0, delta=1e-5, mechanism="blt",
+                  sampling="b_min_sep", min_sep=sep)
+    # the one participation value: at least 10 steps apart, at most ceil(60 / 10) = 6 times, no amplification
+    assert plan.participation == Participation(steps=60, min_sep=10, max_participations=6, amplified=False)
+    # by hand: the BLT optimised for that pattern, its sensitivity, the whole run as one Gaussian mechanism
+    strategy = blt_strategy(steps, min_sep=sep, max_participations=6)
+    assert plan.strategy.buf_decay.tolist() == strategy.buf_decay.tolist()
+    sens = strategy.sensitivity(sep, 6)
+    assert sens > 1.5  # several participations: far above the per-participation sensitivity 1
+    by_hand = mf_acc.mf_gaussian(plan.noise_multiplier, strategy, sep, 6)
+    assert 2.0 * (1 - 1e-3) <= by_hand.epsilon_at(1e-5) <= 2.0 and plan.epsilon() == by_hand.epsilon_at(1e-5)
+
+    f = lambda p, x: ((x - p) ** 2).sum()  # noqa: E731
+    pipeline = plan.pipeline(f, sgd(0.1), key=key(0), batch_argnums=(1,))
+    noise_report = pipeline.privacy_report().stages[2]
+    # the noise stage scaled z to the same pattern's sensitivity: std = sigma * sens * C / batch_size
+    assert noise_report.noise_stddev == pytest.approx(plan.noise_multiplier * sens * 1.0 / b, rel=1e-12)
+    sampler = plan.sampler(list(range(n)), key(1))
+    assert isinstance(sampler, MinSepSampler) and sampler.warm_start and sampler.min_sep == sep
+    assert sampler.expected_batch_size == pytest.approx(b)
+    accountant, state, p = plan.accountant(), pipeline.init(torch.zeros(3)), torch.zeros(3)
+    data = torch.randn(n, 3, generator=torch.Generator().manual_seed(0)) + 2.0
+    batches = []
+    for step, batch in enumerate(sampler):
+        accountant.step(plan.step_cost_at(step))
+        updates, state = pipeline.update((data[batch],), state, p)
+        p = apply_updates(p, updates)
+        batches.append(batch)
+    # the sampler kept the pattern the noise and the accounting assumed
+    for times in _participations(batches).values():
+        assert len(times) <= 6 and all(b2 - b1 >= sep for b1, b2 in zip(times, times[1:]))
+    mean = sum(map(len, batches)) / steps
+    assert abs(mean - b) < 6 * math.sqrt(b / steps)
+    # the composed increments are the whole run (Gaussians compose exactly); the accountant's running
+    # PLD composition of them is within its documented room (1e-4) of it
+    assert accountant.spent.epsilon_at(1e-5) == pytest.approx(by_hand.epsilon_at(1e-5), rel=1e-9)
+    assert accountant.spent_epsilon(1e-5) == pytest.approx(by_hand.epsilon_at(1e-5), rel=1e-5)
+    # and from the raw numbers: mu = sensitivity / (noise std in units of the clip norm)
+    mu = sens / (noise_report.noise_stddev * b)
+    assert accountant.spent.epsilon_at(1e-5) == pytest.approx(dpsgd_acc.gaussian(1 / mu).epsilon_at(1e-5), rel=1e-9)
+    assert plan.epsilon(30) < plan.epsilon() and state["noise"].step == steps
+    assert float(p.norm()) > 0.5  # it moved toward the data
+    with pytest.raises(InputValueError, match="step_cost_at"):
+        plan.step_cost  # noqa: B018
+
+
+def test_a_dpftrl_plans_noise_has_the_pattern_sensitivity():
+    # one step of zero gradients: the update is the first row's noise, std sigma * sens * C / batch_size
+    plan = DPPlan(dataset_size=400, batch_size=20, steps=60, noise_multiplier=1.0, delta=1e-5, mechanism="blt",
+                  sampling="b_min_sep", min_sep=10)
+    f = lambda p, x: (p * 0.0).sum() + (x * 0.0).sum()  # noqa: E731
+    pipeline = plan.pipeline(f, sgd(1.0), key=key(5), batch_argnums=(1,))
+    d = 20_000
+    params = torch.zeros(d, dtype=torch.float64)
+    updates, _ = pipeline.update((torch.zeros(20, 1, dtype=torch.float64),), pipeline.init(params), params)
+    expected = plan.strategy.sensitivity(10, 6) / 20
+    std = float(updates.std())
+    assert abs(std / expected - 1) < 5 / math.sqrt(2 * d)  # the sample std's relative sd is 1/sqrt(2d)
+
+
+def test_a_balls_in_bins_plan_accounts_its_cycle():
+    import opake_fx.dpftrl.accounting as mf_acc
+    from opake_fx.dpftrl import bsr_strategy
+    from opake_fx.dpftrl.sampling import BallsInBinsSampler
+
+    plan = DPPlan(dataset_size=300, steps=30, target_epsilon=4.0, delta=1e-5, mechanism="bsr", bands=3,
+                  sampling="balls_in_bins", min_sep=10)
+    assert plan.batch_size == 30 and plan.participation == Participation(30, 10, 3, amplified=False)
+    by_hand = mf_acc.mf_gaussian(plan.noise_multiplier, bsr_strategy(30, 3), 10, 3)
+    assert plan.epsilon() == pytest.approx(by_hand.epsilon_at(1e-5), rel=1e-12) and plan.epsilon() <= 4.0
+    sampler = plan.sampler(list(range(300)), key(2))
+    assert isinstance(sampler, BallsInBinsSampler) and sampler.cycle_length == 10
+    batches = list(sampler)
+    assert all(len(t) == 3 and t[1] - t[0] == 10 for t in _participations(batches).values())
+    accountant = plan.accountant()
+    for t in range(plan.steps):
+        accountant.step(plan.step_cost_at(t))
+    assert accountant.spent.epsilon_at(1e-5) == pytest.approx(by_hand.epsilon_at(1e-5), rel=1e-9)
+    assert accountant.spent_epsilon(1e-5) == pytest.approx(by_hand.epsilon_at(1e-5), rel=1e-5)
+    # across two ranks: disjoint shards, each example still in exactly one bin
+    shards = [plan.sampler(list(range(300)), key(2), rank=r, world_size=2) for r in range(2)]
+    union = sorted(i for r in range(2) for t in range(10) for i in shards[r].batch(t))
+    assert union == list(range(300))
+
+
+def test_a_bsr_plan_under_cyclic_poisson_is_amplified_bandmf():
+    import opake_fx.dpftrl.accounting as mf_acc
+    from opake_fx.dpftrl import bsr_strategy
+
+    plan = DPPlan(dataset_size=1000, batch_size=25, steps=40, target_epsilon=2.0, delta=1e-5, mechanism="bsr", bands=4,
+                  sampling="cyclic_poisson")
+    assert plan.participation == Participation(40, 4, 1, amplified=True)
+    by_hand = mf_acc.poisson(plan.noise_multiplier, bsr_strategy(40, 4), 0.1, partitions=4)
+    accountant = plan.accountant()
+    for t in range(plan.steps):
+        accountant.step(plan.step_cost_at(t))
+    assert accountant.spent == by_hand and plan.epsilon() == by_hand.epsilon_at(1e-5) <= 2.0
+
+
+@pytest.mark.parametrize("mechanism", ["band_mf", "blt"])
+def test_dpftrl_plans_round_trip_through_to_dict(mechanism):
+    kw = {"bands": 2} if mechanism == "band_mf" else {}
+    plan = DPPlan(dataset_size=200, batch_size=10, steps=20, target_epsilon=3.0, delta=1e-5, mechanism=mechanism,
+                  sampling="b_min_sep", min_sep=5, **kw)
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["min_sep"] == 5 and DPPlan(**data) == plan
+    assert DPPlan(**data).epsilon() == plan.epsilon()
+    with pytest.raises(InputValueError, match="does not meet target_epsilon"):
+        DPPlan(**{**data, "noise_multiplier": 0.5 * plan.noise_multiplier})
+
+
+def test_every_sampler_has_a_mechanism_and_every_listed_pair_builds():
+    from opake_fx.plan import MECHANISMS, SAMPLERS
+
+    assert set(COMPATIBLE) == set(MECHANISMS) and {s for v in COMPATIBLE.values() for s in v} == set(SAMPLERS)
+    extra = {"truncated_poisson": {"max_batch_size": 20}, "b_min_sep": {"min_sep": 4}, "balls_in_bins": {"min_sep": 4}}
+    for mechanism, samplers in COMPATIBLE.items():
+        for sampling in samplers:
+            kw = dict(extra.get(sampling, {}))
+            if mechanism in ("band_mf", "bsr"):
+                kw["bands"] = 2
+            if sampling != "balls_in_bins":
+                kw["batch_size"] = 10
+            plan = DPPlan(dataset_size=40, steps=8, noise_multiplier=2.0, delta=1e-5, mechanism=mechanism,
+                          sampling=sampling, **kw)
+            assert 0 < plan.epsilon() < math.inf and len(plan.sampler(list(range(40)), key(0))) == 8
