@@ -25,6 +25,8 @@ __all__ = [
     "adaptive_clipped_grad",
     "per_group",
     "clip",
+    "auto_clip",
+    "adaptive_clip",
     "as_stage",
     "gaussian_noise",
     "noise",
@@ -40,6 +42,8 @@ _EXPORTS = {
     "adaptive_clipped_grad": "opake_fx.dpsgd.clipping",
     "per_group": "opake_fx.dpsgd.clipping",
     "clip": "opake_fx.dpsgd.clipping",
+    "auto_clip": "opake_fx.dpsgd.clipping",
+    "adaptive_clip": "opake_fx.dpsgd.clipping",
     "as_stage": "opake_fx.dpsgd.clipping",
     "gaussian_noise": "opake_fx.dpsgd.noise",
     "noise": "opake_fx.dpsgd.noise",
@@ -51,8 +55,10 @@ _SUBMODULES = frozenset({"accounting", "clipping", "noise", "sampling"})
 
 if _TYPE_CHECKING:  # static analysers see the eager imports
     from opake_fx.dpsgd.clipping import (
+        adaptive_clip,
         adaptive_clipped_grad,
         as_stage,
+        auto_clip,
         auto_clipped_grad,
         clip,
         clipped_grad,

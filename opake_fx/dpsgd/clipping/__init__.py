@@ -5,7 +5,7 @@
 * :func:`adaptive_clipped_grad` — private quantile tracking (Andrew et al. 2021).
 * :func:`per_group` — build per-group clip norms from parameter names.
 * :func:`register_rule` — a fast-clipping rule for a module type of yours.
-* :func:`clip` / :func:`as_stage` — the same as chain stages.
+* :func:`clip`, :func:`auto_clip`, :func:`adaptive_clip` / :func:`as_stage` — the same as chain stages.
 
 Every function returns a :class:`~opake_fx.types.ClippedPytree` whose ``max_norm`` is
 its L2 sensitivity under add-or-remove-one neighbours.
@@ -16,7 +16,7 @@ from opake_fx.dpsgd.clipping.auto import auto_clipped_grad
 from opake_fx.dpsgd.clipping.fixed import clipped_grad
 from opake_fx.dpsgd.clipping.groups import per_group
 from opake_fx.dpsgd.clipping.rules import LayerRule, register_rule, unregister_rule
-from opake_fx.dpsgd.clipping.stage import ClipStageState, as_stage, clip
+from opake_fx.dpsgd.clipping.stage import ClipStageState, adaptive_clip, as_stage, auto_clip, clip
 from opake_fx.dpsgd.clipping.types import ClippedGradAux, ClippingStats, FixedClipState
 
 __all__ = [
@@ -28,6 +28,8 @@ __all__ = [
     "unregister_rule",
     "LayerRule",
     "clip",
+    "auto_clip",
+    "adaptive_clip",
     "as_stage",
     "ClipStageState",
     "FixedClipState",

@@ -35,7 +35,7 @@ from opake_fx.dpsgd.clipping._per_example import map_examples
 from opake_fx.dpsgd.clipping.types import ClippedGradAux, ClippingStats
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import NAMESPACE, safe_norm, tree_flatten_with_paths
-from opake_fx.types import ClippedPytree, PerGroup
+from opake_fx.types import ClippedPytree, PerGroup, SecondMomentClippingOutput
 
 Norms = torch.Tensor  # float64, shape [G, B]
 WeightFn = Callable[[Norms, torch.Tensor], torch.Tensor]  # (norms [G,B], bounds [G]) -> weights [G,B]
@@ -54,6 +54,10 @@ class ClipConfig:
     dtype: torch.dtype | None
     return_aux: bool
     return_stats: bool
+    # A per-example map applied to each example's gradient before its norm (vmap backend only).
+    pre_clip: Callable[[Any], Any] | None = None
+    # Also sum the clipped per-example squared gradients (vmap backend only).
+    second_moment: bool = False
 
 
 def make_config(
@@ -66,6 +70,8 @@ def make_config(
     dtype: torch.dtype | None,
     return_aux: bool,
     return_stats: bool,
+    pre_clip: Callable[[Any], Any] | None = None,
+    second_moment: bool = False,
 ) -> ClipConfig:
     """Validates the static arguments of a clipping function."""
     single = isinstance(argnums, int)
@@ -93,6 +99,13 @@ def make_config(
         raise InputValueError(f"microbatch_size must be a positive int or None; got {microbatch_size!r}.")
     if return_aux and return_stats:
         raise InputValueError("return_aux and return_stats cannot both be set; ClippedGradAux has the stats fields.")
+    if pre_clip is not None and not callable(pre_clip):
+        raise InputTypeError(
+            f"pre_clip must be a function of one example's gradient pytree (returning a pytree of the same "
+            f"structure and shapes); got {type(pre_clip).__name__}."
+        )
+    if not isinstance(second_moment, bool):
+        raise InputTypeError(f"second_moment must be a bool; got {type(second_moment).__name__} {second_moment!r}.")
     return ClipConfig(
         argnums=arg_t,
         single_argnum=single,
@@ -103,6 +116,8 @@ def make_config(
         dtype=dtype,
         return_aux=return_aux,
         return_stats=return_stats,
+        pre_clip=pre_clip,
+        second_moment=second_moment,
     )
 
 
@@ -166,6 +181,8 @@ def vmap_backend(loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
 
     argnums = cfg.argnums[0] if cfg.single_argnum else cfg.argnums
     grad_fn = torch.func.grad(scalar_loss, argnums=argnums, has_aux=True)
+    if cfg.pre_clip is not None:
+        grad_fn = _with_pre_clip(grad_fn, cfg.pre_clip)
     in_dims = tuple(0 if i in cfg.batch_argnums else None for i in range(len(args)))
     # randomness="different": dropout draws its own mask for each example, as in a batched pass;
     # where vmap cannot run the loss, an exact loop over the examples does (with a warning).
@@ -178,13 +195,14 @@ class StepResult:
     """Everything one call computed, before it is packaged for the caller."""
 
     clipped: ClippedPytree
-    norms: Norms  # [G, B] float64, pre-clipping
+    norms: Norms  # [G, B] float64, pre-clipping (after pre_clip)
     weights: torch.Tensor  # [G, B] float64
     bounds: torch.Tensor  # [G] float64, the clip norm of each group
     finite: torch.Tensor  # [B] bool
     losses: torch.Tensor
     loss_aux: Any
     batch_size: int
+    squared: ClippedPytree | None = None  # sum of clipped squared gradients (second_moment)
 
 
 def clipped_step(
@@ -212,6 +230,7 @@ def clipped_step(
     output_factor = max((cert.output_factor(dt) for dt in out_dtypes), default=1.0)
     # Accumulators are created by the first microbatch (no zero-fill pass over large tables).
     sums: list[torch.Tensor | None] = [None] * len(diff_leaves)
+    sq_sums: list[torch.Tensor | None] = [None] * len(diff_leaves)  # second_moment only
     prescaled = False  # norm-based backends fold 1 / normalize_by into the weights
     all_norms, all_weights, all_finite, all_losses, all_aux = [], [], [], [], []
     step = cfg.microbatch_size or max(batch, 1)
@@ -240,13 +259,20 @@ def clipped_step(
                 part = part.to(out_dtypes[i])
                 sums[i] = part if sums[i] is None else sums[i].add_(part)
         else:
+            if cfg.pre_clip is not None:
+                _check_pre_clip_output(per_ex.grad_leaves, diff_leaves)
             sanitize = not none_bad
             for i, g_leaf in enumerate(per_ex.grad_leaves):
                 if sanitize:
                     g_leaf = torch.nan_to_num(g_leaf, nan=0.0, posinf=0.0, neginf=0.0)
                 w = weights[leaf_group[i]].to(device=g_leaf.device, dtype=out_dtypes[i])
-                term = torch.tensordot(w, g_leaf.to(out_dtypes[i]), dims=([0], [0]))
+                g_out = g_leaf.to(out_dtypes[i])
+                term = torch.tensordot(w, g_out, dims=([0], [0]))
                 sums[i] = term if sums[i] is None else sums[i].add_(term)
+                if cfg.second_moment:
+                    # ||(w g)^2||_2 <= ||w g||_2^2 <= C^2 per example; w^2 g^2 is that square.
+                    sq_term = torch.tensordot(w * w, g_out * g_out, dims=([0], [0]))
+                    sq_sums[i] = sq_term if sq_sums[i] is None else sq_sums[i].add_(sq_term)
         all_norms.append(norms)
         all_weights.append(weights)
         all_finite.append(finite)
@@ -265,6 +291,13 @@ def clipped_step(
     ]
     grads = optree.tree_unflatten(treedef, totals)
     max_norm = clipping_norm / cfg.normalize_by
+    squared = None
+    if cfg.second_moment:
+        sq_totals = [
+            torch.zeros(leaf.shape, dtype=dt, device=leaf.device) if s is None else s / cfg.normalize_by
+            for s, leaf, dt in zip(sq_sums, diff_leaves, out_dtypes)
+        ]
+        squared = ClippedPytree(optree.tree_unflatten(treedef, sq_totals), max_norm=squared_max_norm(clipping_norm, cfg.normalize_by))
     return StepResult(
         clipped=ClippedPytree(grads, max_norm=max_norm),
         norms=norms,
@@ -274,15 +307,28 @@ def clipped_step(
         losses=_cat(all_losses),
         loss_aux=_concat_aux(all_aux) if cfg.has_aux and batch > 0 else None,
         batch_size=batch,
+        squared=squared,
     )
+
+
+def squared_max_norm(clipping_norm: float, normalize_by: float) -> float:
+    """The sensitivity ``C**2 / normalize_by`` of the sum of clipped squared gradients.
+
+    One example's clipped gradient ``v`` has ``||v||_2 <= C``, and its elementwise square
+    has ``||v * v||_2 = (sum_j v_j**4) ** 0.5 <= sum_j v_j**2 = ||v||_2**2 <= C**2``.
+    """
+    return float(clipping_norm) ** 2 / normalize_by
 
 
 def package(result: StepResult, cfg: ClipConfig, clipping_norm: float | PerGroup, new_state: Any) -> Any:
     """Builds the caller-facing return value from a :class:`StepResult`."""
+    released: Any = result.clipped
+    if result.squared is not None:
+        released = SecondMomentClippingOutput(result.clipped, result.squared)
     if not (cfg.return_aux or cfg.return_stats):
         if cfg.has_aux:
-            return (result.clipped, result.loss_aux), new_state
-        return result.clipped, new_state
+            return (released, result.loss_aux), new_state
+        return released, new_state
     norms, weights, batch = result.norms, result.weights, result.batch_size
     finite = result.finite
     clipped_mask = (norms > result.bounds.to(norms.device).unsqueeze(1)) & finite.unsqueeze(0)
@@ -295,7 +341,7 @@ def package(result: StepResult, cfg: ClipConfig, clipping_norm: float | PerGroup
         num_clipped = float(clipped_mask[0].sum())
         rate = num_clipped / batch if batch else 0.0
     if cfg.return_stats:
-        return (result.clipped, ClippingStats(num_clipped, rate, batch, num_nonfinite)), new_state
+        return (released, ClippingStats(num_clipped, rate, batch, num_nonfinite)), new_state
     total = norms.square().sum(dim=0).sqrt()
     after = torch.where(finite, (norms * weights).square().sum(dim=0).sqrt(), torch.zeros_like(total))
     aux = ClippedGradAux(
@@ -310,7 +356,7 @@ def package(result: StepResult, cfg: ClipConfig, clipping_norm: float | PerGroup
         else None,
         num_nonfinite=num_nonfinite,
     )
-    return (result.clipped, aux), new_state
+    return (released, aux), new_state
 
 
 def group_norms(grad_leaves: list[torch.Tensor], leaf_group: list[int], num_groups: int) -> Norms:
@@ -437,6 +483,33 @@ def _slice_batch(args: tuple[Any, ...], cfg: ClipConfig, start: int, stop: int, 
 def _cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """``torch.cat`` that hands back a lone part as it is (the one-microbatch case)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _with_pre_clip(grad_fn: Callable[..., Any], pre_clip: Callable[[Any], Any]) -> Callable[..., Any]:
+    """``grad_fn`` followed by ``pre_clip`` on the gradient of the one example it sees."""
+
+    def transformed(*a: Any) -> Any:
+        grads, extras = grad_fn(*a)
+        out = pre_clip(grads)
+        if optree.tree_structure(out, namespace=NAMESPACE) != optree.tree_structure(grads, namespace=NAMESPACE):
+            raise InputValueError(
+                "pre_clip must return a pytree with the same structure as the gradient it is given (the parameters' "
+                f"structure); got {optree.tree_structure(out, namespace=NAMESPACE)} for "
+                f"{optree.tree_structure(grads, namespace=NAMESPACE)}. Map each leaf, e.g. with opake_fx.pytree.tree_map."
+            )
+        return out, extras
+
+    return transformed
+
+
+def _check_pre_clip_output(grad_leaves: list[torch.Tensor], diff_leaves: list[torch.Tensor]) -> None:
+    for i, (g, leaf) in enumerate(zip(grad_leaves, diff_leaves)):
+        if not isinstance(g, torch.Tensor) or tuple(g.shape[1:]) != tuple(leaf.shape) or not g.is_floating_point():
+            got = f"{g.dtype} of shape {tuple(g.shape[1:])}" if isinstance(g, torch.Tensor) else type(g).__name__
+            raise InputValueError(
+                f"pre_clip must return, for each gradient leaf, a floating-point tensor of the parameter's shape; "
+                f"leaf {i} has shape {tuple(leaf.shape)} but pre_clip returned a {got}."
+            )
 
 
 def _concat_aux(parts: list[Any]) -> Any:

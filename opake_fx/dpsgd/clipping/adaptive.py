@@ -10,10 +10,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from opake_fx.dpsgd.clipping._engine import check_clipping_norm, clipped_step, make_config, package
-from opake_fx.dpsgd.clipping._ghost import ClipBackend, make_backend
+from opake_fx.dpsgd.clipping._engine import StepResult, check_clipping_norm
+from opake_fx.dpsgd.clipping._entry import ClipMode, ClipOptions, make_grad_fn
+from opake_fx.dpsgd.clipping._ghost import ClipBackend
 from opake_fx.dpsgd.clipping.fixed import clip_weights
-from opake_fx.dpsgd.clipping.types import check_state
 from opake_fx.functional import FunctionalModel
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.random import RngKey, fold_in, normal
@@ -79,6 +79,8 @@ def adaptive_clipped_grad(
     dtype: torch.dtype | None = None,
     clip_backend: ClipBackend = "vmap",
     model: FunctionalModel | nn.Module | None = None,
+    pre_clip: Callable[[Any], Any] | None = None,
+    second_moment: bool = False,
 ) -> tuple[Callable[..., Any], AdaptiveClipState]:
     """Clipping whose norm tracks a quantile of the gradient norms, privately.
 
@@ -88,12 +90,14 @@ def adaptive_clipped_grad(
     expected batch size; then ``C <- C * exp(-learning_rate * (b - target_quantile))``
     (geometric update of Andrew, Thakkar, McMahan, Ramaswamy, NeurIPS 2021).
 
-    ``clip_backend`` / ``model`` select the per-example norm backend exactly as in
-    :func:`clipped_grad` (``"ghost"`` / ``"auto"`` take a batched ``loss_fn`` returning
-    per-example losses); the weight rule does not depend on how norms are obtained.
+    The other arguments (``clip_backend`` / ``model``, ``pre_clip``, ``second_moment``,
+    microbatching, stats and aux) are those of :func:`clipped_grad`, with the same
+    meaning (``"ghost"`` / ``"auto"`` take a batched ``loss_fn`` returning per-example
+    losses); the weight rule does not depend on how norms are obtained.
 
     Privacy:
-        The gradient sum has sensitivity ``max_norm = C_t / normalize_by`` at every step.
+        The gradient sum has sensitivity ``max_norm = C_t / normalize_by`` at every step
+        (the squared stream of ``second_moment=True``: ``C_t**2 / normalize_by``).
         The centred count has sensitivity 1/2, so the count release is a Gaussian
         mechanism with noise multiplier ``2 * count_noise_multiplier``; together with
         gradient noise multiplier z the step costs a Gaussian with effective multiplier
@@ -129,17 +133,24 @@ def adaptive_clipped_grad(
             f"count_noise_multiplier must be finite and >= 0; got {count_noise_multiplier}. "
             "0 releases the exact count (not private); Andrew et al. use about batch_size / 20."
         )
-    cfg = make_config(
-        argnums,
-        batch_argnums,
-        has_aux=has_aux,
-        normalize_by=normalize_by,
-        microbatch_size=microbatch_size,
-        dtype=dtype,
-        return_aux=return_aux,
-        return_stats=return_stats,
+    options = ClipOptions.pick(locals())
+
+    def advance(state: AdaptiveClipState, result: StepResult) -> AdaptiveClipState:
+        c = state.clipping_norm
+        below = ((result.norms[0] <= c) & result.finite).sum().item()
+        centered = float(below) - 0.5 * result.batch_size
+        noise = state.count_noise_multiplier * float(normal(fold_in(state.key, state.step), (), dtype=torch.float64, exact=True))
+        stepped = replace(state, step=state.step + 1, prev_clipping_norm=c, centered_count=centered, count_noise=noise)
+        return replace(stepped, clipping_norm=next_clipping_norm(stepped, centered))
+
+    mode = ClipMode(
+        "adaptive_clipped_grad",
+        AdaptiveClipState,
+        clipping_norm=lambda state: state.clipping_norm,
+        weights=clip_weights,
+        advance=advance,
     )
-    backend = make_backend(clip_backend, model)
+    grad_fn = make_grad_fn(loss_fn, mode, options)  # validates the shared options
     m = _real(
         expected_batch_size if expected_batch_size is not None else normalize_by,
         "expected_batch_size",
@@ -151,18 +162,6 @@ def adaptive_clipped_grad(
             "the fraction of unclipped examples (an infinite one would freeze that estimate at 1/2): pass the "
             "sample rate times the dataset size."
         )
-
-    def grad_fn(*args: Any, state: AdaptiveClipState | None = None, **kwargs: Any) -> Any:
-        check_state(state, AdaptiveClipState, "adaptive_clipped_grad")
-        c = state.clipping_norm
-        result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=c, weight_fn=clip_weights, backend=backend)
-        below = ((result.norms[0] <= c) & result.finite).sum().item()
-        centered = float(below) - 0.5 * result.batch_size
-        noise = state.count_noise_multiplier * float(normal(fold_in(state.key, state.step), (), dtype=torch.float64, exact=True))
-        stepped = replace(state, step=state.step + 1, prev_clipping_norm=c, centered_count=centered, count_noise=noise)
-        new_state = replace(stepped, clipping_norm=next_clipping_norm(stepped, centered))
-        return package(result, cfg, c, new_state)
-
     state = AdaptiveClipState(
         clipping_norm=float(initial_clipping_norm),
         step=0,

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from opake_fx.dpsgd.clipping._engine import check_clipping_norm, clipped_step, make_config, package
-from opake_fx.dpsgd.clipping._ghost import ClipBackend, make_backend
-from opake_fx.dpsgd.clipping.types import FixedClipState, check_state
+from opake_fx.dpsgd.clipping._engine import check_clipping_norm
+from opake_fx.dpsgd.clipping._entry import ClipMode, ClipOptions, count_call, make_grad_fn
+from opake_fx.dpsgd.clipping._ghost import ClipBackend
+from opake_fx.dpsgd.clipping.types import FixedClipState
 from opake_fx.functional import FunctionalModel
 from opake_fx.errors import InputValueError
 
@@ -33,6 +33,8 @@ def auto_clipped_grad(
     dtype: torch.dtype | None = None,
     clip_backend: ClipBackend = "vmap",
     model: FunctionalModel | nn.Module | None = None,
+    pre_clip: Callable[[Any], Any] | None = None,
+    second_moment: bool = False,
 ) -> tuple[Callable[..., Any], FixedClipState]:
     """Like :func:`clipped_grad`, but every gradient is normalised: ``R g / (||g|| + gamma)``.
 
@@ -41,14 +43,16 @@ def auto_clipped_grad(
     (``clipping_norm``), so the learning rate absorbs the scale. ``gamma > 0`` keeps
     small gradients from being blown up.
 
-    ``clip_backend`` / ``model`` select the per-example norm backend exactly as in
-    :func:`clipped_grad` (``"ghost"`` / ``"auto"`` take a batched ``loss_fn`` returning
-    per-example losses); the weight rule does not depend on how norms are obtained.
+    The other arguments (``clip_backend`` / ``model``, ``pre_clip``, ``second_moment``,
+    microbatching, stats and aux) are those of :func:`clipped_grad`, with the same
+    meaning (``"ghost"`` / ``"auto"`` take a batched ``loss_fn`` returning per-example
+    losses); the weight rule does not depend on how norms are obtained.
 
     Privacy:
         Each scaled gradient has norm ``R ||g|| / (||g|| + gamma) < R``, so the sum has
         add-or-remove sensitivity ``max_norm = R / normalize_by``, the same as
-        :func:`clipped_grad` with ``clipping_norm=R``: account for it identically.
+        :func:`clipped_grad` with ``clipping_norm=R``: account for it identically (the
+        squared stream of ``second_moment=True``: ``R**2 / normalize_by``).
 
     Example:
         >>> import torch
@@ -63,17 +67,7 @@ def auto_clipped_grad(
         raise InputValueError("auto_clipped_grad needs a finite clipping_norm R: it scales every gradient to norm ~R.")
     if not (isinstance(gamma, (int, float)) and gamma >= 0 and math.isfinite(gamma)):
         raise InputValueError(f"gamma must be a finite number >= 0; got {gamma!r} (Bu et al. use 0.01).")
-    cfg = make_config(
-        argnums,
-        batch_argnums,
-        has_aux=has_aux,
-        normalize_by=normalize_by,
-        microbatch_size=microbatch_size,
-        dtype=dtype,
-        return_aux=return_aux,
-        return_stats=return_stats,
-    )
-    backend = make_backend(clip_backend, model)
+    options = ClipOptions.pick(locals())
 
     def weights(norms: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
         denom = norms + gamma
@@ -81,9 +75,11 @@ def auto_clipped_grad(
         # A zero gradient (with gamma = 0) contributes zero whatever its weight.
         return torch.where(denom > 0, w, torch.zeros_like(w))
 
-    def grad_fn(*args: Any, state: FixedClipState | None = None, **kwargs: Any) -> Any:
-        check_state(state, FixedClipState, "auto_clipped_grad")
-        result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=clipping_norm, weight_fn=weights, backend=backend)
-        return package(result, cfg, clipping_norm, replace(state, step=state.step + 1))
-
-    return grad_fn, FixedClipState(clipping_norm=clipping_norm)
+    mode = ClipMode(
+        "auto_clipped_grad",
+        FixedClipState,
+        clipping_norm=lambda state: clipping_norm,
+        weights=weights,
+        advance=count_call,
+    )
+    return make_grad_fn(loss_fn, mode, options), FixedClipState(clipping_norm=clipping_norm)

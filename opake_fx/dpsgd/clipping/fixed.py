@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from opake_fx.dpsgd.clipping._engine import check_clipping_norm, clipped_step, make_config, package
-from opake_fx.dpsgd.clipping._ghost import ClipBackend, make_backend
-from opake_fx.dpsgd.clipping.types import FixedClipState, check_state
+from opake_fx.dpsgd.clipping._engine import check_clipping_norm
+from opake_fx.dpsgd.clipping._entry import ClipMode, ClipOptions, count_call, make_grad_fn
+from opake_fx.dpsgd.clipping._ghost import ClipBackend
+from opake_fx.dpsgd.clipping.types import FixedClipState
+from opake_fx.errors import InputValueError
 from opake_fx.functional import FunctionalModel
 from opake_fx.types import PerGroup
 
@@ -31,6 +32,8 @@ def clipped_grad(
     dtype: torch.dtype | None = None,
     clip_backend: ClipBackend = "vmap",
     model: FunctionalModel | nn.Module | None = None,
+    pre_clip: Callable[[Any], Any] | None = None,
+    second_moment: bool = False,
 ) -> tuple[Callable[..., Any], FixedClipState]:
     """Makes a function that returns the sum of clipped per-example gradients.
 
@@ -67,17 +70,38 @@ def clipped_grad(
         model: the :class:`~opake_fx.functional.FunctionalModel` (or ``nn.Module``)
             that ``loss_fn`` calls; its modules are hooked during the call. Only used
             by ``"ghost"`` / ``"auto"``.
+        pre_clip: a per-example hook: ``pre_clip(grads) -> grads`` is applied to each
+            example's gradient pytree (the structure of the ``argnums`` arguments,
+            without a batch axis) before its norm is taken and it is clipped; it must
+            return a pytree of the same structure and leaf shapes. The sanctioned place
+            for per-example transforms (loss unscaling, preconditioning, masking): the
+            clip bound holds for what it returns, whatever it does. It runs inside
+            ``vmap`` (or the exact per-example loop where vmap cannot run), so it must
+            be vmap-compatible. Needs ``clip_backend="vmap"``: the fast backends never
+            form per-example gradients (an ``InputValueError`` says so).
+        second_moment: also release the sum of the clipped per-example squared
+            gradients, ``sum_i (w_i g_i) ** 2 / normalize_by`` (elementwise), for Adam's
+            second moment: ``grad_fn`` then returns a
+            :class:`~opake_fx.types.SecondMomentClippingOutput` ``(grads, squared_grads)``
+            that the noise stages noise jointly (see ``docs/optimizers.md``). Needs
+            ``clip_backend="vmap"`` and a scalar ``clipping_norm``.
 
     Returns:
         ``(grad_fn, state)``. ``grad_fn(*args, state=state, **kwargs)`` returns
-        ``(ClippedPytree, state)``, or ``((ClippedPytree, stats_or_aux), state)``.
+        ``(ClippedPytree, state)``, or ``((ClippedPytree, stats_or_aux), state)``
+        (a ``SecondMomentClippingOutput`` in place of the ``ClippedPytree`` with
+        ``second_moment=True``).
 
     Privacy:
         Under add-or-remove-one neighbours the returned ``ClippedPytree`` has L2
         sensitivity ``max_norm = clipping_norm / normalize_by`` (``.effective`` of the
         per-group norms); under replace-one it is twice that. An example whose gradient
         is NaN or inf is zeroed (and counted), never propagated. Stats and aux are
-        per-example, non-private diagnostics.
+        per-example, non-private diagnostics. ``pre_clip`` runs before the norm, so the
+        bound is unaffected by it. With ``second_moment=True`` the squared stream has
+        sensitivity ``clipping_norm**2 / normalize_by`` (``||v * v||_2 <= ||v||_2**2``
+        for a clipped ``v``); the two streams together are ONE release, which the noise
+        stages calibrate jointly so that it costs what the gradient alone would.
 
     Example (fast backend, batched loss)::
 
@@ -95,24 +119,20 @@ def clipped_grad(
         (-0.5, 1.0)
     """
     check_clipping_norm(clipping_norm)
-    cfg = make_config(
-        argnums,
-        batch_argnums,
-        has_aux=has_aux,
-        normalize_by=normalize_by,
-        microbatch_size=microbatch_size,
-        dtype=dtype,
-        return_aux=return_aux,
-        return_stats=return_stats,
+    if second_moment and isinstance(clipping_norm, PerGroup):
+        raise InputValueError(
+            "clipped_grad(second_moment=True) needs one global clipping_norm; per-group norms are not supported "
+            "for the squared-gradient stream."
+        )
+    options = ClipOptions.pick(locals())
+    mode = ClipMode(
+        "clipped_grad",
+        FixedClipState,
+        clipping_norm=lambda state: clipping_norm,
+        weights=clip_weights,
+        advance=count_call,
     )
-    backend = make_backend(clip_backend, model)
-
-    def grad_fn(*args: Any, state: FixedClipState | None = None, **kwargs: Any) -> Any:
-        check_state(state, FixedClipState, "clipped_grad")
-        result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=clipping_norm, weight_fn=clip_weights, backend=backend)
-        return package(result, cfg, clipping_norm, replace(state, step=state.step + 1))
-
-    return grad_fn, FixedClipState(clipping_norm=clipping_norm)
+    return make_grad_fn(loss_fn, mode, options), FixedClipState(clipping_norm=clipping_norm)
 
 
 def clip_weights(norms: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:

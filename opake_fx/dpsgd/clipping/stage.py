@@ -8,15 +8,18 @@ from typing import Any, Callable, Sequence
 from torch import nn
 
 from opake_fx.dpsgd.clipping._ghost import ClipBackend
+from opake_fx.dpsgd.clipping.adaptive import adaptive_clipped_grad
+from opake_fx.dpsgd.clipping.auto import auto_clipped_grad
 from opake_fx.dpsgd.clipping.fixed import clipped_grad
 from opake_fx.dpsgd.clipping.types import ClippingStats
 from opake_fx.functional import FunctionalModel
 from opake_fx.errors import InputValueError
 from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.transforms import Transform
-from opake_fx.types import ClippedPytree, PerGroup
+from opake_fx.random import RngKey
+from opake_fx.types import ClippedPytree, PerGroup, SecondMomentClippingOutput
 
-__all__ = ["clip", "as_stage", "ClipStageState"]
+__all__ = ["clip", "auto_clip", "adaptive_clip", "as_stage", "ClipStageState"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ def clip(
     clip_backend: ClipBackend = "vmap",
     model: FunctionalModel | nn.Module | None = None,
     return_stats: bool = False,
+    pre_clip: Callable[[Any], Any] | None = None,
+    second_moment: bool = False,
 ) -> Transform:
     """Per-example clipping as the first stage of a pipeline.
 
@@ -59,6 +64,12 @@ def clip(
     With ``return_stats=True`` the stage's state is a :class:`ClipStageState` whose
     ``stats`` holds the last step's :class:`~opake_fx.dpsgd.clipping.ClippingStats`
     (``state["clip"].stats`` in a named chain): non-private diagnostics.
+
+    ``pre_clip`` and ``second_moment`` are those of :func:`clipped_grad` (with
+    ``second_moment=True`` the stage outputs a
+    :class:`~opake_fx.types.SecondMomentClippingOutput`, which the noise stages noise
+    jointly). :func:`auto_clip` and :func:`adaptive_clip` are the same stage for AUTO-S
+    and adaptive clipping.
 
     Privacy: output sensitivity ``clipping_norm / normalize_by`` (add-or-remove-one). The
     stats in the state are computed from raw per-example norms and are not private.
@@ -85,9 +96,129 @@ def clip(
         clip_backend=clip_backend,
         model=model,
         return_stats=return_stats,
+        pre_clip=pre_clip,
+        second_moment=second_moment,
     )  # validates clipping_norm and normalize_by
     described = StagePrivacy(
         "clip", f"clip to {clipping_norm}, divided by {normalize_by:g}", max_norm=clipping_norm / normalize_by
+    )
+    return as_stage(grad_fn, state, batch_argnums=batch_argnums, privacy=described, return_stats=return_stats)
+
+
+def auto_clip(
+    loss_fn: Callable[..., Any],
+    *,
+    clipping_norm: float = 1.0,
+    gamma: float = 0.01,
+    normalize_by: float = 1.0,
+    batch_argnums: int | Sequence[int] = 1,
+    microbatch_size: int | None = None,
+    clip_backend: ClipBackend = "vmap",
+    model: FunctionalModel | nn.Module | None = None,
+    return_stats: bool = False,
+    pre_clip: Callable[[Any], Any] | None = None,
+    second_moment: bool = False,
+) -> Transform:
+    """AUTO-S clipping (:func:`~opake_fx.dpsgd.clipping.auto_clipped_grad`) as a chain stage.
+
+    Arguments as :func:`clip`, plus AUTO-S's ``gamma``.
+
+    Privacy: output sensitivity ``clipping_norm / normalize_by`` (add-or-remove-one), as
+    :func:`clip`.
+
+    Example:
+        >>> import torch
+        >>> f = lambda p, x: ((x - p) ** 2).sum()
+        >>> stage = auto_clip(f, clipping_norm=2.0, batch_argnums=(1,), normalize_by=4)
+        >>> p = torch.zeros(2)
+        >>> out, _ = stage.update((torch.ones(4, 2),), stage.init(p), p)
+        >>> out.max_norm
+        0.5
+    """
+    grad_fn, state = auto_clipped_grad(
+        loss_fn,
+        argnums=0,
+        clipping_norm=clipping_norm,
+        gamma=gamma,
+        normalize_by=normalize_by,
+        batch_argnums=batch_argnums,
+        microbatch_size=microbatch_size,
+        clip_backend=clip_backend,
+        model=model,
+        return_stats=return_stats,
+        pre_clip=pre_clip,
+        second_moment=second_moment,
+    )
+    described = StagePrivacy(
+        "clip",
+        f"AUTO-S to {clipping_norm} (gamma={gamma:g}), divided by {normalize_by:g}",
+        max_norm=clipping_norm / normalize_by,
+    )
+    return as_stage(grad_fn, state, batch_argnums=batch_argnums, privacy=described, return_stats=return_stats)
+
+
+def adaptive_clip(
+    loss_fn: Callable[..., Any],
+    *,
+    initial_clipping_norm: float,
+    count_noise_multiplier: float,
+    key: RngKey,
+    target_quantile: float = 0.5,
+    learning_rate: float = 0.2,
+    normalize_by: float = 1.0,
+    expected_batch_size: float | None = None,
+    batch_argnums: int | Sequence[int] = 1,
+    microbatch_size: int | None = None,
+    clip_backend: ClipBackend = "vmap",
+    model: FunctionalModel | nn.Module | None = None,
+    return_stats: bool = False,
+    pre_clip: Callable[[Any], Any] | None = None,
+    second_moment: bool = False,
+) -> Transform:
+    """Adaptive clipping (:func:`~opake_fx.dpsgd.clipping.adaptive_clipped_grad`) as a chain stage.
+
+    Arguments as :func:`clip`, plus the quantile-tracking ones of
+    ``adaptive_clipped_grad``. The stage's state is the ``AdaptiveClipState`` (inside a
+    :class:`ClipStageState` with ``return_stats=True``); under DDP ``sync`` it after
+    each step, as for the function.
+
+    Privacy: output sensitivity ``C_t / normalize_by`` at step ``t`` (read from each
+    step's output); the noised count costs privacy too: account for the step with
+    ``opake_fx.dpsgd.accounting.adaptive_clipping_gaussian(z, count_noise_multiplier)``.
+
+    Example:
+        >>> import torch
+        >>> from opake_fx.random import key
+        >>> f = lambda p, x: ((x - p) ** 2).sum()
+        >>> stage = adaptive_clip(f, initial_clipping_norm=1.0, count_noise_multiplier=0.0, key=key(0),
+        ...                       batch_argnums=(1,), expected_batch_size=4)
+        >>> p = torch.zeros(2)
+        >>> out, state = stage.update((torch.full((4, 2), 10.0),), stage.init(p), p)
+        >>> out.max_norm, state.clipping_norm > 1.0
+        (1.0, True)
+    """
+    grad_fn, state = adaptive_clipped_grad(
+        loss_fn,
+        argnums=0,
+        initial_clipping_norm=initial_clipping_norm,
+        count_noise_multiplier=count_noise_multiplier,
+        key=key,
+        target_quantile=target_quantile,
+        learning_rate=learning_rate,
+        normalize_by=normalize_by,
+        expected_batch_size=expected_batch_size,
+        batch_argnums=batch_argnums,
+        microbatch_size=microbatch_size,
+        clip_backend=clip_backend,
+        model=model,
+        return_stats=return_stats,
+        pre_clip=pre_clip,
+        second_moment=second_moment,
+    )
+    described = StagePrivacy(
+        "clip",
+        f"adaptive clipping from {initial_clipping_norm} (quantile {target_quantile:g}), divided by {normalize_by:g}; "
+        f"count noise multiplier {count_noise_multiplier:g}",
     )
     return as_stage(grad_fn, state, batch_argnums=batch_argnums, privacy=described, return_stats=return_stats)
 
@@ -144,10 +275,10 @@ def as_stage(
                 )
             out, stats = out
             new_state = ClipStageState(new_state, stats)
-        if not isinstance(out, ClippedPytree):
+        if not isinstance(out, (ClippedPytree, SecondMomentClippingOutput)):
             raise InputValueError(
                 "as_stage needs a clipping function made without return_aux/has_aux, and return_stats=True on "
-                "both or neither; its output must be a ClippedPytree."
+                "both or neither; its output must be a ClippedPytree (or a SecondMomentClippingOutput)."
             )
         return out, new_state
 

@@ -1,0 +1,106 @@
+"""The one entry behind :func:`clipped_grad`, :func:`auto_clipped_grad` and :func:`adaptive_clipped_grad`.
+
+The three clipping functions differ only in a :class:`ClipMode`: the clip norm a call
+uses, the rule that turns per-example norms into weights, and the state after the
+call. Everything they share — the keyword arguments (:class:`ClipOptions`), their
+validation, the backend, ``pre_clip``, the second-moment stream, the state check and the
+packaging of the result — is built here, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from opake_fx.dpsgd.clipping._engine import ClipConfig, StepResult, WeightFn, clipped_step, make_config, package
+from opake_fx.dpsgd.clipping._ghost import ClipBackend, make_backend
+from opake_fx.dpsgd.clipping.types import check_state
+from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.functional import FunctionalModel
+
+__all__ = ["ClipMode", "ClipOptions", "count_call", "make_grad_fn"]
+
+
+@dataclass(frozen=True)
+class ClipOptions:
+    """The keyword arguments every clipping function shares (documented in :func:`clipped_grad`)."""
+
+    argnums: int | Sequence[int] = 0
+    has_aux: bool = False
+    normalize_by: float = 1.0
+    batch_argnums: int | Sequence[int] = 1
+    microbatch_size: int | None = None
+    return_stats: bool = False
+    return_aux: bool = False
+    dtype: torch.dtype | None = None
+    clip_backend: ClipBackend = "vmap"
+    model: FunctionalModel | nn.Module | None = None
+    pre_clip: Callable[[Any], Any] | None = None
+    second_moment: bool = False
+
+    @classmethod
+    def pick(cls, arguments: dict[str, Any]) -> ClipOptions:
+        """The shared options among a clipping function's arguments (its ``locals()``)."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class ClipMode:
+    """What makes one clipping function different from another.
+
+    Attributes:
+        maker: the public function's name (for error messages).
+        state_type: the type of its state.
+        clipping_norm: the clip norm a call uses, given the state it was passed.
+        weights: ``(norms [G, B], bounds [G]) -> weights [G, B]``.
+        advance: the state after a call, from the state before and the call's result.
+    """
+
+    maker: str
+    state_type: type
+    clipping_norm: Callable[[Any], float | PerGroup]
+    weights: WeightFn
+    advance: Callable[[Any, StepResult], Any]
+
+
+def count_call(state: Any, result: StepResult) -> Any:
+    """The ``advance`` of modes whose state only counts calls (fixed and AUTO-S clipping)."""
+    return replace(state, step=state.step + 1)
+
+
+def make_grad_fn(loss_fn: Callable[..., Any], mode: ClipMode, options: ClipOptions) -> Callable[..., Any]:
+    """Validates ``options`` and returns ``grad_fn(*args, state=state, **kwargs)`` for ``mode``."""
+    if not callable(loss_fn):
+        raise InputTypeError(f"{mode.maker} needs loss_fn to be callable; got {type(loss_fn).__name__}.")
+    cfg: ClipConfig = make_config(
+        options.argnums,
+        options.batch_argnums,
+        has_aux=options.has_aux,
+        normalize_by=options.normalize_by,
+        microbatch_size=options.microbatch_size,
+        dtype=options.dtype,
+        return_aux=options.return_aux,
+        return_stats=options.return_stats,
+        pre_clip=options.pre_clip,
+        second_moment=options.second_moment,
+    )
+    backend = make_backend(options.clip_backend, options.model)
+    if options.clip_backend != "vmap":
+        needs = [name for name, on in (("pre_clip", cfg.pre_clip is not None), ("second_moment", cfg.second_moment)) if on]
+        if needs:
+            raise InputValueError(
+                f"{mode.maker}({'=..., '.join(needs)}=...) needs each example's gradient itself, which "
+                f"clip_backend={options.clip_backend!r} never forms (it computes norms and the weighted sum from "
+                "layer activations). Use clip_backend=\"vmap\" (with a per-example loss_fn) for this."
+            )
+
+    def grad_fn(*args: Any, state: Any = None, **kwargs: Any) -> Any:
+        check_state(state, mode.state_type, mode.maker)
+        norm = mode.clipping_norm(state)
+        result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=norm, weight_fn=mode.weights, backend=backend)
+        return package(result, cfg, norm, mode.advance(state, result))
+
+    return grad_fn
