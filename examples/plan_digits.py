@@ -2,10 +2,13 @@
 
 The same run as `examples/demo.py` (convnet, Poisson batches of 128, clip 1, SGD with
 momentum, 20 epochs, (3, 1e-5)-DP), with the wiring done by `opake_fx.plan.DPPlan`; or
-DP-FTRL with a 4-band BandMF strategy, cyclic Poisson batches of 32, same budget.
+DP-FTRL with a 4-band BandMF strategy, cyclic Poisson batches of 32, same budget; or
+DP-FTRL with a BLT strategy under b-min-sep sampling (batches of 128, participations at
+least 11 steps apart), accounted without amplification.
 
     python examples/plan_digits.py              # DP-SGD, 20 epochs
     python examples/plan_digits.py 20 band_mf   # DP-FTRL (BandMF, amplified by cyclic Poisson)
+    python examples/plan_digits.py 20 blt       # DP-FTRL (BLT, b-min-sep, one Gaussian mechanism)
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def train(train_set: TensorDataset, epsilon: float = 3.0, epochs: float = 20.0, 
         nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(512, 10)))
     loss_fn = lambda p, x, y: F.cross_entropy(fmodel(p, x), y, reduction="none")  # noqa: E731  per-example losses
     plan = DPPlan(dataset_size=len(train_set), epochs=epochs, clipping_norm=1.0, target_epsilon=epsilon, delta=1e-5,
-                  clip_backend="auto", **(MF if mechanism == "band_mf" else {"batch_size": 128}))
+                  clip_backend="auto", **CONFIGS[mechanism])
     pipeline = plan.pipeline(loss_fn, sgd(0.1, momentum=0.9), key=key(seed), model=fmodel)
     accountant, state = plan.accountant(), pipeline.init(params)
     collate = empty_collate(default_collate)
@@ -44,7 +47,11 @@ def train(train_set: TensorDataset, epsilon: float = 3.0, epochs: float = 20.0, 
     return fmodel, params, plan, accountant
 
 
-MF = {"mechanism": "band_mf", "bands": 4, "sampling": "cyclic_poisson", "batch_size": 32}
+CONFIGS = {
+    "gaussian": {"batch_size": 128},
+    "band_mf": {"mechanism": "band_mf", "bands": 4, "sampling": "cyclic_poisson", "batch_size": 32},
+    "blt": {"mechanism": "blt", "sampling": "b_min_sep", "min_sep": 11, "batch_size": 128},
+}
 
 
 def digits(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:

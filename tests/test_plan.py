@@ -219,11 +219,12 @@ def test_dpftrl_plan_fields_must_fit_together(kw, match):
         _mf_plan(**kw)
 
 
-def test_the_digits_script_trains_a_dpftrl_plan(capsys):
+@pytest.mark.parametrize("mechanism", ["band_mf", "blt"])
+def test_the_digits_script_trains_a_dpftrl_plan(capsys, mechanism):
     pytest.importorskip("sklearn")
-    acc_ = _script().main(["1", "band_mf"])
+    acc_ = _script().main(["1", mechanism])
     out = capsys.readouterr().out
-    assert acc_ > 0.2 and "band_mf" in out
+    assert acc_ > 0.2 and mechanism in out
     assert float(out.split("epsilon spent ")[1].split(" ")[0]) <= 3.0
 
 
