@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any
 
+import opake_fx.validation as check
 from opake_fx._typecheck import typechecked
 from opake_fx.errors import InputTypeError, InputValueError
 
@@ -44,7 +45,7 @@ def constant(value: Real) -> Schedule:
         >>> constant(0.1)(1000)
         0.1
     """
-    return _Constant(_finite(value, "constant", "value"))
+    return _Constant(check.finite(value, "value", "constant"))
 
 
 @typechecked
@@ -62,9 +63,9 @@ def linear(init_value: Real, end_value: Real, transition_steps: Integral) -> Sch
         [1.0, 0.75, 0.0, 0.0]
     """
     return _Linear(
-        _finite(init_value, "linear", "init_value"),
-        _finite(end_value, "linear", "end_value"),
-        _count(transition_steps, "linear", "transition_steps", minimum=1),
+        check.finite(init_value, "init_value", "linear"),
+        check.finite(end_value, "end_value", "linear"),
+        check.integer(transition_steps, "transition_steps", "linear", minimum=1),
     )
 
 
@@ -87,10 +88,8 @@ def cosine(init_value: Real, decay_steps: Integral, alpha: Real = 0.0) -> Schedu
         >>> [round(s(t), 3) for t in (0, 5, 10, 20)]
         [1.0, 0.55, 0.1, 0.1]
     """
-    alpha = _finite(alpha, "cosine", "alpha")
-    if not 0.0 <= alpha <= 1.0:
-        raise InputValueError(f"cosine needs alpha in [0, 1] (the final value as a fraction of init_value); got {alpha}.")
-    return _Cosine(_finite(init_value, "cosine", "init_value"), _count(decay_steps, "cosine", "decay_steps", minimum=1), alpha)
+    alpha = check.unit_interval(alpha, "alpha", "cosine", hint="It is the final value as a fraction of init_value.")
+    return _Cosine(check.finite(init_value, "init_value", "cosine"), check.integer(decay_steps, "decay_steps", "cosine", minimum=1), alpha)
 
 
 @typechecked
@@ -113,7 +112,7 @@ def inverse_sqrt(init_value: Real, warmup_steps: Integral = 1) -> Schedule:
         >>> round(with_warmup(s, warmup_steps=100)(400), 6)  # = sqrt(100 / 400)
         0.5
     """
-    return _InverseSqrt(_finite(init_value, "inverse_sqrt", "init_value"), _count(warmup_steps, "inverse_sqrt", "warmup_steps", minimum=1))
+    return _InverseSqrt(check.finite(init_value, "init_value", "inverse_sqrt"), check.integer(warmup_steps, "warmup_steps", "inverse_sqrt", minimum=1))
 
 
 @typechecked
@@ -143,8 +142,8 @@ def with_warmup(schedule: Schedule, warmup_steps: Integral, init_value: Real = 0
             f"with_warmup needs a schedule (a callable step -> float, e.g. opake_fx.scheduling.cosine(...)); "
             f"got {type(schedule).__name__}. Wrap a number with constant(value)."
         )
-    warmup_steps = _count(warmup_steps, "with_warmup", "warmup_steps", minimum=0)
-    init_value = _finite(init_value, "with_warmup", "init_value")
+    warmup_steps = check.integer(warmup_steps, "warmup_steps", "with_warmup", minimum=0)
+    init_value = check.finite(init_value, "init_value", "with_warmup")
     if warmup_steps == 0:
         return schedule
     return _Warmup(schedule, warmup_steps, init_value)
@@ -223,19 +222,3 @@ def _step(step: Any, where: str) -> int:
         raise InputValueError(f"{where} schedule needs a step >= 0; got {t}.")
     return t
 
-
-def _finite(value: Any, where: str, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise InputTypeError(f"{where} needs {name} to be a real number; got {type(value).__name__} {value!r}.")
-    value = float(value)
-    if not math.isfinite(value):
-        raise InputValueError(f"{where} needs a finite {name}; got {value}.")
-    return value
-
-
-def _count(value: Any, where: str, name: str, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise InputTypeError(f"{where} needs {name} to be an int; got {type(value).__name__} {value!r}.")
-    if value < minimum:
-        raise InputValueError(f"{where} needs {name} >= {minimum}; got {value}.")
-    return int(value)

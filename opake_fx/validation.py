@@ -232,9 +232,9 @@ def integer(
         kind = "an int" if minimum is None else f"an int >= {minimum}"
         raise InputTypeError(f"{where}: {name} must be {kind}; got {type(value).__name__} ({value!r}).{_sp(hint)}")
     if minimum is not None and out < minimum:
-        raise InputValueError(f"{where}: {name} must be >= {minimum}; got {out}.{_sp(hint)}")
+        raise InputValueError(f"{where}: needs {name} >= {minimum}; got {out}.{_sp(hint)}")
     if maximum is not None and out > maximum:
-        raise InputValueError(f"{where}: {name} must be <= {maximum}; got {out}.{_sp(hint)}")
+        raise InputValueError(f"{where}: needs {name} <= {maximum}; got {out}.{_sp(hint)}")
     return out
 
 

@@ -16,11 +16,11 @@ dataset, and every rank runs the same number of steps.
 
 from __future__ import annotations
 
-from numbers import Integral
 from typing import Any
 
 from torch.utils.data import Subset
 
+import opake_fx.validation as check
 from opake_fx.distributed.collectives import get_rank, get_world_size
 from opake_fx.errors import InputTypeError, InputValueError
 
@@ -67,25 +67,17 @@ def shard_bounds(n: int, rank: int | None = None, world_size: int | None = None)
         >>> [shard_bounds(10, r, 4) for r in range(4)]
         [(0, 2), (2, 5), (5, 7), (7, 10)]
     """
-    world_size = get_world_size() if world_size is None else _int(world_size, "world_size")
-    rank = get_rank() if rank is None else _int(rank, "rank")
-    n = _int(n, "n")
-    if world_size < 1:
-        raise InputValueError(f"local_shard needs world_size >= 1; got {world_size}.")
+    if world_size is None:
+        world_size = get_world_size()
+    world_size = check.integer(world_size, "world_size", "local_shard", minimum=1)
+    rank = check.integer(get_rank() if rank is None else rank, "rank", "local_shard")
+    n = check.integer(n, "n", "local_shard", minimum=0, hint="It is the dataset length.")
     if not 0 <= rank < world_size:
         raise InputValueError(
             f"local_shard needs 0 <= rank < world_size; got rank={rank}, world_size={world_size}. Pass "
             "rank=dist.get_rank() and world_size=dist.get_world_size() (or leave both out)."
         )
-    if n < 0:
-        raise InputValueError(f"local_shard needs a dataset length >= 0; got {n}.")
     return rank * n // world_size, (rank + 1) * n // world_size
-
-
-def _int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise InputTypeError(f"local_shard needs {name} to be an int; got {type(value).__name__} {value!r}.")
-    return int(value)
 
 
 def _length(dataset: Any) -> int:

@@ -63,6 +63,7 @@ from opake_fx.accounting.process import ADD_OR_REMOVE_ONE, process_from_dict
 from opake_fx.dpftrl import _monte_carlo as _mc
 from opake_fx.dpftrl import sensitivity as _sens
 from opake_fx.dpftrl.strategies._base import Strategy, ToeplitzLike
+import opake_fx.validation as check
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.random import RngKey
 from opake_fx.typing import typechecked
@@ -123,7 +124,7 @@ def mf_gaussian(
     nm = _noise_multiplier(noise_multiplier, "mf_gaussian")
     n = _horizon(strategy, n_steps, "mf_gaussian")
     sens = strategy.epoch_sensitivity(epochs, n=n) if epochs is not None else strategy.sensitivity(min_sep, max_participations, n=n)
-    noise_sens = sens if noise_sensitivity is None else _positive(noise_sensitivity, "noise_sensitivity", "mf_gaussian")
+    noise_sens = sens if noise_sensitivity is None else check.positive(noise_sensitivity, "noise_sensitivity", "mf_gaussian")
     return _dpsgd.gaussian(nm * noise_sens / sens)
 
 
@@ -157,7 +158,7 @@ def mf_gaussian_steps(
     nm = _noise_multiplier(noise_multiplier, "mf_gaussian_steps")
     n = _horizon(strategy, n_steps, "mf_gaussian_steps")
     full = strategy.sensitivity(min_sep, max_participations, n=n)
-    noise_sens = full if noise_sensitivity is None else _positive(noise_sensitivity, "noise_sensitivity", "mf_gaussian_steps")
+    noise_sens = full if noise_sensitivity is None else check.positive(noise_sensitivity, "noise_sensitivity", "mf_gaussian_steps")
     sens = _prefix_sensitivities(strategy, n, min_sep, max_participations)
     mu2_prev = 0.0
     out: list[DpProcess] = []
@@ -207,8 +208,8 @@ def poisson(
     n = _horizon(strategy, n_steps, "poisson")
     b = _check_banded(strategy, partitions, "poisson", "partitions")
     per_participation = float(strategy.column_norms(n).max())
-    noise_sens = strategy.sensitivity(n=n) if noise_sensitivity is None else _positive(noise_sensitivity, "noise_sensitivity", "poisson")
-    step = _dpsgd.poisson(_dpsgd.gaussian(nm * noise_sens / per_participation), _rate(sample_rate, "poisson"))
+    noise_sens = strategy.sensitivity(n=n) if noise_sensitivity is None else check.positive(noise_sensitivity, "noise_sensitivity", "poisson")
+    step = _dpsgd.poisson(_dpsgd.gaussian(nm * noise_sens / per_participation), check.probability(sample_rate, "sample_rate", "poisson"))
     return step * (-(-n // b))
 
 
@@ -274,8 +275,8 @@ def b_min_sep(
     nm = _noise_multiplier(noise_multiplier, "b_min_sep")
     n = _horizon(strategy, n_steps, "b_min_sep")
     b = _check_banded(strategy, min_sep, "b_min_sep", "min_sep")
-    p = _rate(sample_rate, "b_min_sep")
-    noise_sens = strategy.sensitivity(n=n) if noise_sensitivity is None else _positive(noise_sensitivity, "noise_sensitivity", "b_min_sep")
+    p = check.probability(sample_rate, "sample_rate", "b_min_sep")
+    noise_sens = strategy.sensitivity(n=n) if noise_sensitivity is None else check.positive(noise_sensitivity, "noise_sensitivity", "b_min_sep")
     if b == 1:
         per_step = float(strategy.column_norms(n).max())
         return _dpsgd.poisson(_dpsgd.gaussian(nm * noise_sens / per_step), p) * n
@@ -284,7 +285,8 @@ def b_min_sep(
     band = _band_of(strategy, n)
     _check_nonnegative_gram(strategy.materialize(n), "b_min_sep")
     spec = (n, band.shape[1], p, b, bool(warm_start), tuple(band.reshape(-1).tolist()))
-    return MonteCarloProcess("b_min_sep", spec, nm * noise_sens, _samples(num_samples), _key_words(key, "b_min_sep"), _confidence(confidence))
+    samples, level = _monte_carlo_settings(num_samples, confidence, "b_min_sep")
+    return MonteCarloProcess("b_min_sep", spec, nm * noise_sens, samples, _key_words(key, "b_min_sep"), level)
 
 
 @typechecked
@@ -313,10 +315,10 @@ def balls_in_bins(
     """
     nm = _noise_multiplier(noise_multiplier, "balls_in_bins")
     n = _horizon(strategy, n_steps, "balls_in_bins")
-    b = _positive_int(cycle_length, "cycle_length", "balls_in_bins")
+    b = check.integer(cycle_length, "cycle_length", "balls_in_bins", minimum=1)
     if b > n:
         raise InputValueError(f"balls_in_bins: cycle_length={b} exceeds n_steps={n}: some bins would never be used.")
-    noise_sens = strategy.sensitivity(n=n) if noise_sensitivity is None else _positive(noise_sensitivity, "noise_sensitivity", "balls_in_bins")
+    noise_sens = strategy.sensitivity(n=n) if noise_sensitivity is None else check.positive(noise_sensitivity, "noise_sensitivity", "balls_in_bins")
     if b == 1:
         # Every example in every step: the Gaussian mechanism with the all-steps sensitivity
         # (||C 1|| when C^T C >= 0, an upper bound otherwise).
@@ -325,7 +327,8 @@ def balls_in_bins(
     gram = _bin_gram(c, b)
     _check_nonnegative_gram(c, "balls_in_bins")
     spec = (b, tuple(gram.reshape(-1).tolist()))
-    return MonteCarloProcess("balls_in_bins", spec, nm * noise_sens, _samples(num_samples), _key_words(key, "balls_in_bins"), _confidence(confidence))
+    samples, level = _monte_carlo_settings(num_samples, confidence, "balls_in_bins")
+    return MonteCarloProcess("balls_in_bins", spec, nm * noise_sens, samples, _key_words(key, "balls_in_bins"), level)
 
 
 @typechecked
@@ -515,7 +518,7 @@ def _check_banded(strategy: Strategy, sep: int | None, where: str, name: str) ->
             "amplification reduction does not apply. Use a banded strategy (band_mf_strategy, bsr_strategy) or "
             "account without amplification with mf_gaussian."
         )
-    b = bands if sep is None else _positive_int(sep, name, where)
+    b = bands if sep is None else check.integer(sep, name, where, minimum=1)
     if bands > b:
         raise InputValueError(
             f"{where}: the strategy has {bands} bands but {name}={b}; the reduction needs bands <= {name}. Build "
@@ -539,39 +542,17 @@ def _horizon(strategy: Strategy, n_steps: int | None, where: str) -> int:
     n = strategy.n_steps if strategy.n_steps is not None else n_steps
     if n is None:
         raise InputValueError(f"{where}: {strategy!r} has no n_steps; pass n_steps= (the length of the run).")
-    return _positive_int(n, "n_steps", where)
+    return check.integer(n, "n_steps", where, minimum=1)
+
+
+def _monte_carlo_settings(num_samples: Any, confidence: Any, where: str) -> tuple[int, float]:
+    samples = check.integer(num_samples, "num_samples", where, minimum=1)
+    level = check.interval(confidence, "confidence", where, 0.0, 1.0, low_open=True, high_open=True)
+    return samples, level
 
 
 def _noise_multiplier(nm: Any, where: str) -> float:
-    return _positive(nm, "noise_multiplier", where)
-
-
-def _positive(x: Any, name: str, where: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, Real) or not math.isfinite(float(x)) or float(x) <= 0:
-        raise InputValueError(f"{where}: {name} must be a finite number > 0; got {x!r}.")
-    return float(x)
-
-
-def _positive_int(x: Any, name: str, where: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, Integral) or int(x) < 1:
-        raise InputValueError(f"{where}: {name} must be an int >= 1; got {x!r}.")
-    return int(x)
-
-
-def _rate(q: Any, where: str) -> float:
-    if isinstance(q, bool) or not isinstance(q, Real) or not 0.0 < float(q) <= 1.0:
-        raise InputValueError(f"{where}: sample_rate must be in (0, 1]; got {q!r}.")
-    return float(q)
-
-
-def _samples(n: Any) -> int:
-    return _positive_int(n, "num_samples", "Monte-Carlo accounting")
-
-
-def _confidence(c: Any) -> float:
-    if isinstance(c, bool) or not isinstance(c, Real) or not 0.0 < float(c) < 1.0:
-        raise InputValueError(f"confidence must be in (0, 1); got {c!r}.")
-    return float(c)
+    return check.positive(nm, "noise_multiplier", where)
 
 
 def _key_words(key: RngKey | None, where: str) -> tuple[int, int]:

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from opake_fx.dpftrl import _toeplitz
+import opake_fx.validation as check
 from opake_fx.errors import InputTypeError, InputValueError
 
 __all__ = [
@@ -62,11 +63,12 @@ def max_participations(n_steps: int, min_sep: int, max_participations: int | Non
         >>> max_participations(10, 4), max_participations(10, 4, 2)
         (3, 2)
     """
-    n, b = _positive_int(n_steps, "n_steps"), _positive_int(min_sep, "min_sep")
+    n = check.integer(n_steps, "n_steps", "max_participations", minimum=1)
+    b = check.integer(min_sep, "min_sep", "max_participations", minimum=1)
     most = -(-n // b)
     if max_participations is None:
         return most
-    return min(_positive_int(max_participations, "max_participations"), most)
+    return min(check.integer(max_participations, "max_participations", "max_participations", minimum=1), most)
 
 
 def max_participation_sum(values: torch.Tensor, min_sep: int, max_participations: int | None = None) -> torch.Tensor:
@@ -78,7 +80,7 @@ def max_participation_sum(values: torch.Tensor, min_sep: int, max_participations
     """
     v = values.double()
     n = v.shape[-1]
-    b = _positive_int(min_sep, "min_sep")
+    b = check.integer(min_sep, "min_sep", "max_participation_sum", minimum=1)
     k = max_participations_of(n, b, max_participations)
     f = torch.zeros((*v.shape[:-1], n + b), dtype=torch.float64)
     for _ in range(k):
@@ -155,7 +157,7 @@ def fixed_epoch_sensitivity(matrix: torch.Tensor, epochs: int) -> float:
     """
     c = _square(matrix, "fixed_epoch_sensitivity")
     n = c.shape[0]
-    k = _positive_int(epochs, "epochs")
+    k = check.integer(epochs, "epochs", "fixed_epoch_sensitivity", minimum=1)
     if n % k:
         raise InputValueError(f"fixed_epoch_sensitivity: epochs={k} must divide n_steps={n}.")
     b = n // k
@@ -176,11 +178,11 @@ def bandwidth(matrix: torch.Tensor) -> int:
 
 def max_participations_of(n: int, min_sep: int, max_participations: int | None) -> int:
     """Internal alias of :func:`max_participations` without argument checks on n."""
-    b = _positive_int(min_sep, "min_sep")
+    b = check.integer(min_sep, "min_sep", "max_participations_of", minimum=1)
     most = -(-int(n) // b)
     if max_participations is None:
         return most
-    return min(_positive_int(max_participations, "max_participations"), most)
+    return min(check.integer(max_participations, "max_participations", "max_participations_of", minimum=1), most)
 
 
 def _square(matrix: torch.Tensor, where: str) -> torch.Tensor:
@@ -192,10 +194,3 @@ def _square(matrix: torch.Tensor, where: str) -> torch.Tensor:
         raise InputValueError(f"{where}: expected a square matrix; got shape {tuple(matrix.shape)}.")
     return matrix.double()
 
-
-def _positive_int(x: object, name: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-        raise InputTypeError(f"{name} must be an int; got {type(x).__name__}.")
-    if int(x) < 1:
-        raise InputValueError(f"{name} must be >= 1; got {x}.")
-    return int(x)

@@ -26,14 +26,13 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from numbers import Real
 
 import numpy as np
 import torch
 
+import opake_fx.validation as check
 from opake_fx.errors import InputTypeError, InputValueError
 
 __all__ = ["Workload", "prefix_workload", "momentum_workload", "matrix_workload"]
@@ -88,7 +87,7 @@ def prefix_workload(n_steps: int) -> Workload:
         >>> prefix_workload(3).materialize().tolist()
         [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
     """
-    n = _check_n(n_steps, "prefix_workload")
+    n = check.integer(n_steps, "n_steps", "prefix_workload", minimum=1)
     return Workload(n, "prefix", toeplitz=_frozen(np.ones(n)), factors=(1.0, 0.0))
 
 
@@ -118,9 +117,9 @@ def momentum_workload(
         >>> momentum_workload(3, momentum=0.5).toeplitz_coefficients().tolist()
         [1.0, 1.5, 1.75]
     """
-    n = _check_n(n_steps, "momentum_workload")
-    beta = _check_real(momentum, "momentum", 0.0, 1.0, hi_open=True)
-    alpha = _check_real(decay, "decay", 0.0, 1.0, lo_open=True)
+    n = check.integer(n_steps, "n_steps", "momentum_workload", minimum=1)
+    beta = check.interval(momentum, "momentum", "momentum_workload", 0.0, 1.0, high_open=True)
+    alpha = check.interval(decay, "decay", "momentum_workload", 0.0, 1.0, low_open=True)
     if learning_rates is None:
         k = np.arange(n, dtype=np.float64)
         if beta == alpha:
@@ -190,24 +189,6 @@ def _learning_rates(lrs: Sequence[float] | Callable[[int], float], n: int) -> np
     if values[0] <= 0 and n > 0:
         raise InputValueError("momentum_workload: the first learning rate must be > 0 (A must be invertible).")
     return values
-
-
-def _check_n(n: object, where: str) -> int:
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise InputTypeError(f"{where}: n_steps must be an int; got {type(n).__name__}.")
-    if n < 1:
-        raise InputValueError(f"{where}: n_steps must be >= 1; got {n}.")
-    return n
-
-
-def _check_real(x: object, name: str, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> float:
-    if isinstance(x, bool) or not isinstance(x, Real) or not math.isfinite(float(x)):
-        raise InputTypeError(f"{name} must be a finite real number; got {x!r}.")
-    v = float(x)
-    if v < lo or v > hi or (lo_open and v == lo) or (hi_open and v == hi):
-        lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
-        raise InputValueError(f"{name} must be in {lb}{lo:g}, {hi:g}{rb}; got {v:g}.")
-    return v
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

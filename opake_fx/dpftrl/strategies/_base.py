@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
+import opake_fx.validation as check
 from opake_fx.dpftrl import _toeplitz
 from opake_fx.dpftrl import sensitivity as _sens
 from opake_fx.dpftrl.streaming import StreamingInverse
 from opake_fx.dpftrl.workloads import Workload, prefix_workload
-from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.errors import InputValueError
 from opake_fx.typing import typechecked
 
 __all__ = ["Strategy", "Reduction", "strategy_from_dict"]
@@ -111,11 +111,11 @@ class Strategy:
             Toeplitz ``C`` with non-negative, non-increasing coefficients; otherwise an
             upper bound (see :meth:`sensitivity_is_exact`).
         """
-        return self._sensitivity(self._n(n), _int(min_sep, "min_sep"), _opt_int(max_participations))[0]
+        return self._sensitivity(self._n(n), *_pattern(self, "sensitivity", min_sep, max_participations))[0]
 
     def sensitivity_is_exact(self, min_sep: int = 1, max_participations: int | None = 1, *, n: int | None = None) -> bool:
         """True when :meth:`sensitivity` is exact (not only an upper bound) for this pattern."""
-        return self._sensitivity(self._n(n), _int(min_sep, "min_sep"), _opt_int(max_participations))[1]
+        return self._sensitivity(self._n(n), *_pattern(self, "sensitivity_is_exact", min_sep, max_participations))[1]
 
     def epoch_sensitivity(self, epochs: int, *, n: int | None = None) -> float:
         """Sensitivity under fixed-epoch order (``epochs`` passes in the same order).
@@ -123,7 +123,9 @@ class Strategy:
         Tighter than ``sensitivity(n // epochs, epochs)`` for dense multi-epoch strategies,
         whose columns within an epoch class are orthogonal.
         """
-        return _sens.fixed_epoch_sensitivity(self.materialize(n), _int(epochs, "epochs"))
+        return _sens.fixed_epoch_sensitivity(
+            self.materialize(n), check.integer(epochs, "epochs", f"{type(self).__name__}.epoch_sensitivity", minimum=1)
+        )
 
     def _sensitivity(self, n: int, min_sep: int, k: int | None) -> tuple[float, bool]:
         bands = self.bands
@@ -193,7 +195,7 @@ class Strategy:
             raise InputValueError(
                 f"{type(self).__name__} has no fixed n_steps; pass n= (the number of training steps)."
             )
-        n = _int(n, "n")
+        n = check.integer(n, "n", type(self).__name__, minimum=1)
         if self.n_steps is not None and n > self.n_steps:
             raise InputValueError(
                 f"{type(self).__name__} was built for n_steps={self.n_steps}; got n={n}. Build the strategy "
@@ -309,32 +311,14 @@ def _workload(workload: Workload | None, n: int) -> Workload:
     return resolve_workload(workload, n, "per_query_error")
 
 
-def _int(x: Any, name: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-        raise InputTypeError(f"{name} must be an int; got {type(x).__name__}.")
-    if int(x) < 1:
-        raise InputValueError(f"{name} must be >= 1; got {x}.")
-    return int(x)
-
-
-def _opt_int(x: Any) -> int | None:
-    return None if x is None else _int(x, "max_participations")
+def _pattern(strategy: Strategy, method: str, min_sep: Any, max_participations: Any) -> tuple[int, int | None]:
+    where = f"{type(strategy).__name__}.{method}"
+    k = None if max_participations is None else check.integer(max_participations, "max_participations", where, minimum=1)
+    return check.integer(min_sep, "min_sep", where, minimum=1), k
 
 
 def check_n_steps(n: Any, where: str, *, allow_none: bool = False) -> int | None:
-    """Validates an ``n_steps`` argument."""
+    """Validates an ``n_steps`` argument (an int >= 1, or ``None`` where ``allow_none``)."""
     if n is None and allow_none:
         return None
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-        raise InputTypeError(f"{where}: n_steps must be an int; got {type(n).__name__}.")
-    if int(n) < 1:
-        raise InputValueError(f"{where}: n_steps must be >= 1; got {n}.")
-    return int(n)
-
-
-def finite_positive(x: Any, name: str, where: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer)) or not math.isfinite(float(x)):
-        raise InputTypeError(f"{where}: {name} must be a finite number; got {x!r}.")
-    if float(x) <= 0:
-        raise InputValueError(f"{where}: {name} must be > 0; got {x}.")
-    return float(x)
+    return check.integer(n, "n_steps", where, minimum=1)

@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
+import opake_fx.validation as check
 from opake_fx.dpftrl import _optim, _toeplitz
 from opake_fx.dpftrl.strategies._base import (
     Reduction,
     Strategy,
     ToeplitzLike,
-    _int,
     check_n_steps,
     frozen,
 )
@@ -254,13 +254,13 @@ def band_mf_strategy(
         True
     """
     n = check_n_steps(n_steps, "band_mf_strategy")
-    b = _int(bands, "bands")
+    b = check.integer(bands, "bands", "band_mf_strategy", minimum=1)
     if b > n:
         raise InputValueError(f"band_mf_strategy: bands={b} exceeds n_steps={n}; use bands <= n_steps.")
     work = resolve_workload(workload, n, "band_mf_strategy")
     if structure not in ("toeplitz", "column_normalized"):
         raise InputValueError(f"band_mf_strategy: structure must be 'toeplitz' or 'column_normalized'; got {structure!r}.")
-    _check_reduction(reduction, "band_mf_strategy")
+    check.choice(reduction, "reduction", "band_mf_strategy", ("mean", "max"))
     show = _show_progress(progress, n)
     coefs = optimize_toeplitz(work, b, reduction=reduction, max_iterations=max_iterations, progress=show)
     if structure == "toeplitz":
@@ -290,7 +290,7 @@ def bsr_strategy(n_steps: Integral, bandwidth: Integral, *, workload: Workload |
         (4.9715, 5.7066)
     """
     n = check_n_steps(n_steps, "bsr_strategy")
-    p = _int(bandwidth, "bandwidth")
+    p = check.integer(bandwidth, "bandwidth", "bsr_strategy", minimum=1)
     if p > n:
         raise InputValueError(f"bsr_strategy: bandwidth={p} exceeds n_steps={n}.")
     work = resolve_workload(workload, n, "bsr_strategy")
@@ -494,11 +494,6 @@ def _toeplitz_or_prefix(workload: Workload) -> torch.Tensor:
         return workload.toeplitz_coefficients()
     # A non-Toeplitz workload: start from the square root of its first column.
     return workload.materialize()[:, 0].contiguous()
-
-
-def _check_reduction(reduction: str, where: str) -> None:
-    if reduction not in ("mean", "max"):
-        raise InputValueError(f"{where}: reduction must be 'mean' or 'max'; got {reduction!r}.")
 
 
 def _show_progress(progress: bool | None, n: int) -> bool:

@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
+import opake_fx.validation as check
 from opake_fx.dpftrl import _optim, _toeplitz
-from opake_fx.dpftrl.strategies._base import ToeplitzLike, _int, check_n_steps, frozen
-from opake_fx.dpftrl.strategies.banded import _check_reduction, _show_progress, toeplitz_loss_fn
+from opake_fx.dpftrl.strategies._base import ToeplitzLike, check_n_steps, frozen
+from opake_fx.dpftrl.strategies.banded import _show_progress, toeplitz_loss_fn
 from opake_fx.dpftrl.streaming import BltSolve, StreamingInverse
 from opake_fx.dpftrl.workloads import Workload, resolve_workload
 from opake_fx.errors import InputValueError
@@ -126,13 +127,12 @@ def blt_strategy(
         True
     """
     n = check_n_steps(n_steps, "blt_strategy")
-    m = _int(max_buffers, "max_buffers") if max_buffers != 0 else 0
-    b = _int(min_sep, "min_sep")
-    k = None if max_participations is None else _int(max_participations, "max_participations")
+    m = check.integer(max_buffers, "max_buffers", "blt_strategy", minimum=1) if max_buffers != 0 else 0
+    b = check.integer(min_sep, "min_sep", "blt_strategy", minimum=1)
+    k = None if max_participations is None else check.integer(max_participations, "max_participations", "blt_strategy", minimum=1)
     work = resolve_workload(workload, n, "blt_strategy")
-    _check_reduction(reduction, "blt_strategy")
-    if isinstance(rtol, bool) or not (isinstance(rtol, Real) and rtol >= 1.0):
-        raise InputValueError(f"blt_strategy: rtol must be a number >= 1; got {rtol!r}.")
+    check.choice(reduction, "reduction", "blt_strategy", ("mean", "max"))
+    check.interval(rtol, "rtol", "blt_strategy", 1.0, math.inf, hint="It is the least improvement factor that accepts one more buffer (e.g. 1.01).")
     show = _show_progress(progress, n)
     loss_c = toeplitz_loss_fn(work, reduction, b, k)
     best = BltStrategy(n, np.zeros(0), np.zeros(0))

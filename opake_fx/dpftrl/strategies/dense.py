@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
+import opake_fx.validation as check
 from opake_fx.dpftrl import _optim
 from opake_fx.dpftrl import sensitivity as _sens
-from opake_fx.dpftrl.strategies._base import Strategy, _int, check_n_steps, frozen
+from opake_fx.dpftrl.strategies._base import Strategy, check_n_steps, frozen
 from opake_fx.dpftrl.strategies.banded import _show_progress
 from opake_fx.dpftrl.streaming import DenseSolve, StreamingInverse
 from opake_fx.dpftrl.workloads import Workload, resolve_workload
@@ -123,7 +124,7 @@ def dense_strategy(
         True
     """
     n = check_n_steps(n_steps, "dense_strategy")
-    k = _int(epochs, "epochs")
+    k = check.integer(epochs, "epochs", "dense_strategy", minimum=1)
     if n % k:
         raise InputValueError(f"dense_strategy: epochs={k} must divide n_steps={n}; pick n_steps as a multiple of epochs.")
     if reduction != "mean":
@@ -134,7 +135,7 @@ def dense_strategy(
     work = resolve_workload(workload, n, "dense_strategy")
     saved = torch.get_num_threads()
     if threads is not None:
-        torch.set_num_threads(_int(threads, "threads"))
+        torch.set_num_threads(check.integer(threads, "threads", "dense_strategy", minimum=1))
     try:
         return _optimize_dense(work, n, k, max_iterations, ftol, gtol, _show_progress(progress, n))
     finally:

@@ -17,7 +17,6 @@ when they are re-drawn from their keys (``replay=True``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any
@@ -25,13 +24,14 @@ from typing import Any
 import numpy as np
 import torch
 
+import opake_fx.validation as check
 from opake_fx.dpftrl import _optim, _toeplitz
 from opake_fx.dpftrl import sensitivity as _sens
-from opake_fx.dpftrl.strategies._base import Strategy, ToeplitzLike, _int, check_n_steps, frozen
+from opake_fx.dpftrl.strategies._base import Strategy, ToeplitzLike, check_n_steps, frozen
 from opake_fx.dpftrl.strategies.banded import _matrix_to_band, _show_progress, lower_triangular_sqrt
 from opake_fx.dpftrl.streaming import BandedInverseApply, StreamingInverse
 from opake_fx.dpftrl.workloads import Workload, resolve_workload
-from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.errors import InputValueError
 from opake_fx.typing import typechecked
 
 __all__ = ["InverseToeplitzStrategy", "InverseBandedStrategy", "bisr_strategy", "lambda_cgd_strategy"]
@@ -171,7 +171,7 @@ def bisr_strategy(
         [1.0, -0.5, -0.125]
     """
     n = check_n_steps(n_steps, "bisr_strategy")
-    p = _int(bandwidth, "bandwidth")
+    p = check.integer(bandwidth, "bandwidth", "bisr_strategy", minimum=1)
     if p > n:
         raise InputValueError(f"bisr_strategy: bandwidth={p} exceeds n_steps={n}.")
     work = resolve_workload(workload, n, "bisr_strategy")
@@ -209,11 +209,7 @@ def lambda_cgd_strategy(lambda_: Real, n_steps: Integral | None = None) -> Inver
         >>> s.materialize()[3].tolist()
         [0.125, 0.25, 0.5, 1.0]
     """
-    if isinstance(lambda_, bool) or not isinstance(lambda_, Real) or not math.isfinite(float(lambda_)):
-        raise InputTypeError(f"lambda_cgd_strategy: lambda_ must be a finite number; got {lambda_!r}.")
-    lam = float(lambda_)
-    if not 0.0 <= lam <= 1.0:
-        raise InputValueError(f"lambda_cgd_strategy: lambda_ must be in [0, 1]; got {lam}.")
+    lam = check.unit_interval(lambda_, "lambda_", "lambda_cgd_strategy")
     n = check_n_steps(n_steps, "lambda_cgd_strategy", allow_none=True)
     coefs = np.array([1.0]) if lam == 0.0 else np.array([1.0, -lam])
     return InverseToeplitzStrategy(n, coefs, replay=True, name="lambda_cgd")
