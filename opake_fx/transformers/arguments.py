@@ -1,0 +1,258 @@
+"""DP ``TrainingArguments``: Hugging Face's own, plus the fields that describe the private run.
+
+The DP fields map onto one :class:`opake_fx.plan.DPPlan` when ``DPTrainer.train()``
+starts (the dataset size is known only then): the expected batch, the length of the run,
+the clip norm, the noise (calibrated for a target epsilon or given), the sampler and the
+mechanism. Everything that can be checked without the data is checked here, with errors
+that name the field to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import transformers
+
+from opake_fx.errors import InputTypeError, InputValueError
+
+__all__ = ["TrainingArguments", "SAMPLING_MODES", "CLIP_BACKENDS", "CLIPPING_MODES"]
+
+SAMPLING_MODES = ("poisson", "cyclic_poisson", "b_min_sep", "balls_in_bins", "sequential")
+"""``poisson`` (DP-SGD's default), the DP-FTRL samplers, and ``sequential`` (a fixed
+in-order batch order: only for the non-private baseline ``privacy_noise_multiplier=0``)."""
+
+CLIP_BACKENDS = ("auto", "vmap", "ghost")
+CLIPPING_MODES = ("fixed", "adaptive", "auto")
+# The plan fields DPTrainer sets from the arguments; sampling_kwargs and the mechanism's kwargs may set the others
+# (today: bands, max_batch_size; whatever DPPlan grows later passes through).
+MAPPED_PLAN_FIELDS = ("dataset_size", "batch_size", "sample_rate", "steps", "epochs", "clipping_norm", "target_epsilon",
+                      "delta", "noise_multiplier", "sampling", "mechanism", "clip_backend", "accountant_kind")
+
+
+def _plan_options() -> list[str]:
+    from opake_fx.plan import DPPlan
+
+    return sorted(f.name for f in dataclasses.fields(DPPlan) if f.name not in MAPPED_PLAN_FIELDS)
+
+
+@dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    """``transformers.TrainingArguments`` with the fields of a differentially private run.
+
+    Every Hugging Face field keeps its meaning, except these, which DP changes:
+
+    * ``per_device_train_batch_size`` is the EXPECTED batch per rank: under Poisson
+      sampling each step's batch has a random size (empty batches are normal steps).
+    * ``num_train_epochs`` / ``max_steps`` fix the length of the run, which the privacy
+      budget is calibrated for; the run stops when the budget is spent.
+    * ``max_grad_norm`` is not used: DP clips each example's gradient to ``clipping_norm``.
+    * ``seed`` seeds the model's initialisation and the evaluation, never the privacy
+      randomness (see ``privacy_seed``).
+
+    DP fields:
+        privacy_target_epsilon: the epsilon the whole run may spend; the noise multiplier
+            is calibrated for it when ``train()`` starts. Give this *or*
+            ``privacy_noise_multiplier``.
+        privacy_target_delta: delta; default ``1 / N**1.1`` with ``N`` the training set size.
+        privacy_noise_multiplier: sigma, given instead of a target. ``0`` is the explicit
+            non-private baseline: epsilon = inf, reported as such.
+        clipping_norm: the per-example L2 clip norm C (``math.inf``: no clipping, only
+            with ``privacy_noise_multiplier=0``).
+        clipping_mode: ``"fixed"`` (the only one the plan supports today; ``"adaptive"``
+            and ``"auto"`` are refused with a pointer to the stage-by-stage API).
+        clipping_kwargs: reserved for the adaptive/auto modes; must be empty with ``"fixed"``.
+        clip_backend: ``"auto"`` (default: exact fast clipping from layer activations where
+            rules exist, an exact fallback elsewhere), ``"vmap"`` or ``"ghost"``.
+        sampling_mode: ``"poisson"`` (default), ``"cyclic_poisson"`` (for ``band_mf``),
+            ``"b_min_sep"``, ``"balls_in_bins"`` (passed to the plan, which says whether it
+            supports them), or ``"sequential"`` (non-private baseline only).
+        sampling_kwargs: extra plan fields of the sampler (e.g. ``{"bands": 4}``).
+        privacy_noise_mechanism: ``"gaussian"`` (DP-SGD) or a DP-FTRL strategy the plan
+            supports (``"band_mf"`` today).
+        privacy_noise_mechanism_kwargs: extra plan fields of the mechanism (``{"bands": 4}``).
+        privacy_accountant: ``"pld"`` (default) or ``"rdp"``.
+        privacy_seed: the seed of the noise and sampling keys. ``None`` (default) draws
+            one from the operating system's CSPRNG at ``train()`` (shared by all ranks);
+            it is saved in the checkpoints, so a resumed run continues exactly. A known
+            seed lets anyone recompute the noise and the batches: set it only for tests.
+        per_example_loss_reduction: ``"mean"`` (default; each example's loss is the mean
+            over its own non-padding tokens) or ``"sum"``.
+        microbatch_size: memory only (privacy-neutral); not supported yet (refused).
+
+    Raises:
+        InputValueError / InputTypeError: a missing, contradictory or unsupported DP
+            setting, naming the field(s) to change.
+
+    Privacy contract: the fields above are the whole privacy configuration of the run;
+    ``DPTrainer`` builds exactly one ``DPPlan`` from them, whose sampler, noise and
+    accountant read the same values.
+
+    Example:
+        >>> args = TrainingArguments(output_dir="/tmp/opake-doc", privacy_target_epsilon=8.0,
+        ...                          per_device_train_batch_size=16, report_to="none")
+        >>> args.clip_backend, args.sampling_mode, args.privacy_noise_mechanism
+        ('auto', 'poisson', 'gaussian')
+    """
+
+    privacy_target_epsilon: float | None = field(default=None, metadata={"help": "Target epsilon of the whole run."})
+    privacy_target_delta: float | None = field(default=None, metadata={"help": "Delta (default 1 / N**1.1)."})
+    privacy_noise_multiplier: float | None = field(
+        default=None, metadata={"help": "Noise multiplier instead of a target (0: non-private baseline)."}
+    )
+    clipping_norm: float = field(default=1.0, metadata={"help": "Per-example L2 clip norm."})
+    clipping_mode: str = field(default="fixed", metadata={"help": "fixed (adaptive, auto: not yet)."})
+    clipping_kwargs: dict | None = field(default=None, metadata={"help": "Options of the clipping mode."})
+    clip_backend: str = field(default="auto", metadata={"help": "auto, vmap or ghost."})
+    sampling_mode: str = field(default="poisson", metadata={"help": "poisson, cyclic_poisson, b_min_sep, balls_in_bins, sequential."})
+    sampling_kwargs: dict | None = field(default=None, metadata={"help": "Options of the sampler (e.g. bands)."})
+    privacy_noise_mechanism: str = field(default="gaussian", metadata={"help": "gaussian or a DP-FTRL strategy (band_mf)."})
+    privacy_noise_mechanism_kwargs: dict | None = field(default=None, metadata={"help": "Options of the mechanism."})
+    privacy_accountant: str = field(default="pld", metadata={"help": "pld or rdp."})
+    privacy_seed: int | None = field(default=None, metadata={"help": "Seed of noise and sampling (None: OS CSPRNG)."})
+    per_example_loss_reduction: str = field(default="mean", metadata={"help": "mean or sum over each example's tokens."})
+    microbatch_size: int | None = field(default=None, metadata={"help": "Memory only; not supported yet."})
+
+    def __post_init__(self) -> None:
+        self._check_privacy_fields()
+        super().__post_init__()
+        self._check_training_fields()
+
+    # --- conversion ---------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, hf_args: transformers.TrainingArguments, **dp_fields: Any) -> TrainingArguments:
+        """DP arguments with every field of ``hf_args`` and the given DP fields.
+
+        Example:
+            >>> import transformers
+            >>> hf = transformers.TrainingArguments(output_dir="/tmp/opake-doc", learning_rate=1e-3, report_to="none")
+            >>> args = TrainingArguments.from_hf(hf, privacy_target_epsilon=3.0)
+            >>> args.learning_rate, args.privacy_target_epsilon
+            (0.001, 3.0)
+        """
+        if not isinstance(hf_args, transformers.TrainingArguments):
+            raise InputTypeError(
+                f"TrainingArguments.from_hf needs a transformers.TrainingArguments; got {type(hf_args).__name__}."
+            )
+        ours = {f.name for f in dataclasses.fields(cls)} - {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+        unknown = sorted(set(dp_fields) - ours)
+        if unknown:
+            raise InputValueError(
+                f"TrainingArguments.from_hf: unknown DP field(s) {unknown}; the DP fields are {sorted(ours)}."
+            )
+        values = {f.name: getattr(hf_args, f.name) for f in dataclasses.fields(hf_args) if f.init}
+        for name in ours:  # a DP TrainingArguments converted again keeps its DP fields
+            if name in values and name not in dp_fields:
+                dp_fields[name] = values.pop(name)
+            values.pop(name, None)
+        values = {k: (v.value if hasattr(v, "value") and type(v).__module__.startswith("transformers") else v)
+                  for k, v in values.items()}
+        return cls(**values, **dp_fields)
+
+    # --- validation ---------------------------------------------------------------------
+
+    def _check_privacy_fields(self) -> None:
+        eps, nm = self.privacy_target_epsilon, self.privacy_noise_multiplier
+        if (eps is None) == (nm is None):
+            which = "neither was given" if eps is None else "both were given"
+            raise InputValueError(
+                f"TrainingArguments: give exactly one of privacy_target_epsilon (the noise is calibrated for it) and "
+                f"privacy_noise_multiplier (sigma; 0 for a non-private baseline); {which}."
+            )
+        if eps is not None and not (_is_real(eps) and 0 < eps < math.inf):
+            raise InputValueError(f"TrainingArguments: privacy_target_epsilon must be finite and > 0; got {eps!r}.")
+        if nm is not None and not (_is_real(nm) and 0 <= nm < math.inf):
+            raise InputValueError(
+                f"TrainingArguments: privacy_noise_multiplier must be finite and >= 0 (0: non-private); got {nm!r}."
+            )
+        d = self.privacy_target_delta
+        if d is not None and not (_is_real(d) and 0 < d < 1):
+            raise InputValueError(f"TrainingArguments: privacy_target_delta must be in (0, 1); got {d!r}.")
+        c = self.clipping_norm
+        if isinstance(c, dict):
+            raise InputValueError(
+                "TrainingArguments: per-group clipping (clipping_norm as a dict of name regex -> norm) is not available "
+                "in DPTrainer yet: DPPlan takes one clip norm. Give a float, or use opake_fx.dpsgd.clipping.per_group "
+                "with the stage-by-stage API."
+            )
+        if not (_is_real(c) and c > 0):
+            raise InputValueError(f"TrainingArguments: clipping_norm must be > 0 (or math.inf); got {c!r}.")
+        non_private = nm is not None and nm == 0
+        if math.isinf(c) and not non_private:
+            raise InputValueError(
+                "TrainingArguments: clipping_norm=inf bounds nothing, so no noise makes the run private; it is only "
+                "allowed with privacy_noise_multiplier=0 (the non-private baseline)."
+            )
+        _choice(self.clipping_mode, "clipping_mode", CLIPPING_MODES)
+        if self.clipping_mode != "fixed":
+            raise InputValueError(
+                f"TrainingArguments: clipping_mode={self.clipping_mode!r} is not available in DPTrainer yet (DPPlan "
+                "builds fixed clipping only). Use clipping_mode='fixed', or the stage-by-stage API "
+                "(opake_fx.dpsgd.clipping.adaptive_clipped_grad / auto_clipped_grad)."
+            )
+        if self.clipping_kwargs:
+            raise InputValueError(
+                f"TrainingArguments: clipping_kwargs={self.clipping_kwargs!r} has no meaning with clipping_mode='fixed'."
+            )
+        _choice(self.clip_backend, "clip_backend", CLIP_BACKENDS)
+        _choice(self.sampling_mode, "sampling_mode", SAMPLING_MODES)
+        if self.sampling_mode == "sequential" and not non_private:
+            raise InputValueError(
+                "TrainingArguments: sampling_mode='sequential' is a fixed batch order with no amplification, which the "
+                "accounting does not cover; it is only allowed with privacy_noise_multiplier=0 (the non-private "
+                "baseline). Use sampling_mode='poisson'."
+            )
+        for name in ("sampling_kwargs", "privacy_noise_mechanism_kwargs"):
+            extra = getattr(self, name) or {}
+            if not isinstance(extra, dict):
+                raise InputTypeError(f"TrainingArguments: {name} must be a dict; got {type(extra).__name__}.")
+            bad = sorted(set(extra) - set(_plan_options()))
+            if bad:
+                raise InputValueError(
+                    f"TrainingArguments: {name} has unknown option(s) {bad}; the DPPlan options it may set are "
+                    f"{_plan_options()}."
+                )
+        if not isinstance(self.privacy_noise_mechanism, str):
+            raise InputTypeError("TrainingArguments: privacy_noise_mechanism must be a string, e.g. 'gaussian'.")
+        _choice(self.privacy_accountant, "privacy_accountant", ("pld", "rdp"))
+        _choice(self.per_example_loss_reduction, "per_example_loss_reduction", ("mean", "sum"))
+        if self.privacy_seed is not None and (isinstance(self.privacy_seed, bool) or not isinstance(self.privacy_seed, int)):
+            raise InputTypeError(f"TrainingArguments: privacy_seed must be an int or None; got {self.privacy_seed!r}.")
+        if self.microbatch_size is not None:
+            raise InputValueError(
+                "TrainingArguments: microbatch_size is not supported by DPTrainer yet (DPPlan.pipeline takes no "
+                "micro-batch size); leave it None and lower per_device_train_batch_size if memory is short."
+            )
+
+    def _check_training_fields(self) -> None:
+        if self.gradient_accumulation_steps != 1:
+            raise InputValueError(
+                f"TrainingArguments: gradient_accumulation_steps={self.gradient_accumulation_steps} is not supported "
+                "by DPTrainer: one DP step must clip and noise one logical batch, and accumulating noised "
+                "micro-steps would add the noise several times. Set gradient_accumulation_steps=1 and make "
+                "per_device_train_batch_size the expected logical batch."
+            )
+        if self.auto_find_batch_size:
+            raise InputValueError(
+                "TrainingArguments: auto_find_batch_size changes the batch size, which the privacy accounting depends "
+                "on; set auto_find_batch_size=False."
+            )
+        if self.fp16 or self.bf16:
+            raise InputValueError(
+                "TrainingArguments: fp16/bf16 mixed precision is not supported by DPTrainer (per-example clipping runs "
+                "in the model's own dtype); set fp16=False and bf16=False, or load the model in bfloat16."
+            )
+        if self.per_device_train_batch_size < 1:
+            raise InputValueError("TrainingArguments: per_device_train_batch_size (the expected batch) must be >= 1.")
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _choice(value: Any, name: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise InputValueError(f"TrainingArguments: {name} must be one of {list(options)}; got {value!r}.")

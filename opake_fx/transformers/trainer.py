@@ -1,0 +1,483 @@
+"""``DPTrainer``: a ``transformers.Trainer`` whose ``train()`` is a DP-SGD / DP-FTRL run.
+
+Change the two imports of a Trainer script and add the DP fields::
+
+    -from transformers import Trainer, TrainingArguments
+    +from opake_fx.transformers import DPTrainer as Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir="out", per_device_train_batch_size=64, num_train_epochs=3,
+                             privacy_target_epsilon=8.0)          # + the DP fields
+
+``train()`` builds one :class:`opake_fx.plan.DPPlan` from the arguments and the training
+set, draws the batches with the plan's sampler, computes the clipped per-example
+gradients of the trainable parameters, sums them over ranks, adds the plan's noise, steps
+a functional optimizer, writes the parameters back into the model, and charges the plan's
+accountant; everything else (evaluation, callbacks, logging, ``save_model``, checkpoint
+rotation) is Hugging Face's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import transformers
+from transformers.trainer_callback import ExportableState, TrainerState
+from transformers.trainer_utils import TrainOutput, get_last_checkpoint
+
+from opake_fx.distributed import all_reduce, get_rank, get_world_size, is_distributed
+from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.functional import FunctionalModel, make_functional, with_batch_dim
+from opake_fx.plan import DPPlan
+from opake_fx.random import fold_in, key
+from opake_fx.transforms import apply_updates
+from opake_fx.transformers import checkpoint as ckpt
+from opake_fx.transformers.arguments import TrainingArguments
+from opake_fx.transformers.losses import check_model, per_example_loss_fn
+from opake_fx.transformers.optim import optimizer_from_args
+
+__all__ = ["DPTrainer", "UNBOUNDED_CLIP"]
+
+logger = logging.getLogger(__name__)
+
+UNBOUNDED_CLIP = 1e30
+"""The clip norm that stands for ``clipping_norm=math.inf`` (non-private baseline only): no
+gradient reaches it, so nothing is clipped, and it stays finite in float32 arithmetic."""
+
+TRAINER_STATE_NAME = "trainer_state.json"
+
+
+class DPTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` that trains with differential privacy.
+
+    The constructor is Hugging Face's, plus ``per_example_loss_func``; ``args`` must be
+    :class:`opake_fx.transformers.TrainingArguments` (convert existing ones with
+    ``TrainingArguments.from_hf``).
+
+    Args:
+        *args, **kwargs: those of ``transformers.Trainer``. ``optimizers`` and
+            ``compute_loss_func`` are refused: the optimizer is functional (from
+            ``args.optim``), and a loss averaged over the batch cannot be clipped per example.
+        per_example_loss_func: ``f(outputs, batch) -> [B]``, one loss per example, for a
+            model whose task DPTrainer does not know (it knows causal LMs, seq2seq LMs,
+            sequence and token classifiers). ``outputs`` is the model's output on the
+            batch without its labels.
+
+    Attributes:
+        privacy_plan: the :class:`~opake_fx.plan.DPPlan` of the last ``train()``.
+        accountant: its accountant (``None`` for the non-private baseline).
+
+    ``train()`` logs ``epsilon`` next to ``loss`` at every logging step (the loss of the
+    logging step's batch, before its update: NOT private, like any training loss), stops
+    when the next step would exceed the budget, and adds ``privacy_epsilon``,
+    ``privacy_delta`` and ``privacy_noise_multiplier`` to the final metrics. Each
+    checkpoint also holds ``accountant.json`` and ``dp_state.rank{r}.pt`` (parameters,
+    clip/noise/optimizer state, sampler position, accountant, privacy seed);
+    ``train(resume_from_checkpoint=...)`` continues the run exactly.
+
+    Privacy contract: only the trainable parameters (``requires_grad``; the adapters of a
+    PEFT model) are clipped, noised and released; each example's loss depends on that
+    example only; the batches come from the plan's sampler (each rank its disjoint shard,
+    ``fold_in(key, rank)``), the clipped gradients are summed over ranks and the same
+    noise is added on every rank; the accountant charges the plan's cost for every step
+    taken, so the logged epsilon is the run's.
+
+    Example:
+        >>> import contextlib, io, torch, transformers
+        >>> from opake_fx.transformers import DPTrainer, TrainingArguments
+        >>> cfg = transformers.BertConfig(vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        ...                               intermediate_size=8, max_position_embeddings=8, num_labels=2)
+        >>> data = [{"input_ids": torch.randint(0, 20, (6,)), "labels": torch.tensor(i % 2)} for i in range(64)]
+        >>> args = TrainingArguments(output_dir="/tmp/opake-doc", per_device_train_batch_size=16, max_steps=4,
+        ...                          privacy_target_epsilon=8.0, privacy_seed=0, report_to="none",
+        ...                          save_strategy="no", logging_steps=2, disable_tqdm=True)
+        >>> trainer = DPTrainer(model=transformers.BertForSequenceClassification(cfg), args=args, train_dataset=data)
+        >>> with contextlib.redirect_stdout(io.StringIO()):  # Hugging Face prints the logs
+        ...     out = trainer.train()
+        >>> 0 < out.metrics["privacy_epsilon"] <= 8.0, out.global_step
+        (True, 4)
+    """
+
+    def __init__(self, *args: Any, per_example_loss_func: Callable[[Any, Mapping[str, torch.Tensor]], torch.Tensor] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.per_example_loss_func = per_example_loss_func
+        self.privacy_plan: DPPlan | None = None
+        self.accountant: Any = None
+        self._dp: dict[str, Any] = {}
+
+    # --- the private training loop -----------------------------------------------------
+
+    def train(  # type: ignore[override]
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> TrainOutput:
+        """Trains with DP; see the class docstring. Arguments as ``transformers.Trainer.train``.
+
+        Raises:
+            InputTypeError / InputValueError: arguments, model or dataset that cannot be
+                trained privately or exactly (the message names the setting to change).
+            CheckpointError: a checkpoint that does not hold a DP state fitting this run.
+        """
+        if kwargs:
+            raise InputValueError(f"DPTrainer.train got unexpected arguments {sorted(kwargs)}.")
+        if trial is not None:
+            raise InputValueError("DPTrainer does not support hyperparameter search trials: each trial spends privacy.")
+        args = self.args
+        if not isinstance(args, TrainingArguments):
+            raise InputTypeError(
+                "DPTrainer needs opake_fx.transformers.TrainingArguments (the DP fields); got "
+                f"{type(args).__module__}.{type(args).__name__}. Convert with TrainingArguments.from_hf(args, "
+                "privacy_target_epsilon=...)."
+            )
+        self._refuse_unsupported()
+        if isinstance(resume_from_checkpoint, bool):
+            resume_from_checkpoint = get_last_checkpoint(args.output_dir) if resume_from_checkpoint else None
+            if resume_from_checkpoint is None:
+                raise InputValueError(f"DPTrainer: train(resume_from_checkpoint=True) found no checkpoint in {args.output_dir}.")
+        self.is_in_train = True
+        self._memory_tracker.start()
+        model = self.model
+        check_model(model, args)
+        model.train()
+
+        dataset = self._training_set()
+        rank, world = get_rank(), get_world_size()
+        resumed_meta = None if resume_from_checkpoint is None else _read_meta(resume_from_checkpoint, rank)
+        seed = resumed_meta["seed"] if resumed_meta is not None else self._privacy_seed()
+        plan = self._build_plan(len(dataset), world)
+        self.privacy_plan = plan
+        noise_key, sampler_key = fold_in(key(seed), 0), fold_in(key(seed), 1)
+        sampler = self._sampler(plan, dataset, sampler_key, rank, world)
+        fmodel, params = make_functional(model, trainable_only=True)
+        optimizer = optimizer_from_args(args, plan.steps)
+        losses = per_example_loss_fn(model, reduction=args.per_example_loss_reduction,
+                                     label_smoothing=args.label_smoothing_factor,
+                                     label_names=tuple(args.label_names or ("labels",)),
+                                     custom=self.per_example_loss_func)
+        pipelines: dict[tuple[str, ...], Any] = {}
+
+        def pipeline_for(keys: tuple[str, ...]) -> Any:
+            if keys not in pipelines:
+                pipelines[keys] = plan.pipeline(_loss_over(losses, fmodel, keys, plan.clip_backend), optimizer,
+                                                key=noise_key, model=fmodel, batch_argnums=tuple(range(1, len(keys) + 1)))
+            return pipelines[keys]
+
+        non_private = plan.noise_multiplier == 0
+        accountant = None if non_private else plan.accountant()
+        if non_private:
+            msg = ("DPTrainer: privacy_noise_multiplier=0 -- this run is NOT private (epsilon = inf); it is the "
+                   "non-private baseline.")
+            warnings.warn(msg, UserWarning, stacklevel=2)
+            logger.warning(msg)
+        state = pipeline_for(("input_ids",)).init(params)  # the state does not depend on the batch's keys
+        start_step = 0
+        if resume_from_checkpoint is not None:
+            self._load_hf_checkpoint(resume_from_checkpoint)
+            _, params = make_functional(model, trainable_only=True)
+            inner = getattr(sampler, "inner", sampler)
+            restored = ckpt.load_dp_state(resume_from_checkpoint, rank, params=params, state=state, sampler=inner,
+                                          accountant=accountant, meta=_META_TEMPLATE)
+            params, state = restored["params"], restored["state"]
+            inner.load_state_dict(restored["sampler"].state_dict())
+            if accountant is not None:
+                accountant = restored["accountant"]
+            start_step = restored["meta"]["step"]
+            self._check_same_plan(resume_from_checkpoint, plan)
+            fmodel.load_into_model(params)
+        self.accountant = accountant
+        self._dp = {"plan": plan, "seed": seed, "rank": rank, "sampler": sampler}
+
+        # Hugging Face's state and callbacks
+        if resume_from_checkpoint is not None and os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
+            self.state = TrainerState.load_from_json(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME))
+        else:
+            self.state = TrainerState(stateful_callbacks=[
+                cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)])
+        self.state.train_batch_size = args.per_device_train_batch_size
+        self.state.compute_steps(args, plan.steps)
+        self.state.init_training_references(self, plan.steps, plan.epochs, trial)
+        self.state.global_step = start_step
+        steps_per_epoch = 1.0 / plan.sample_rate if args.sampling_mode != "sequential" else sampler.steps_per_pass
+        collate = _EmptyAwareCollate(self.data_collator, dataset)
+        self.callback_handler.train_dataloader = None
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if args.eval_on_start and start_step == 0:
+            self._evaluate(trial, ignore_keys_for_eval, skip_scheduler=True)
+        self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+        start_time = time.time()
+        loss_sum, loss_count, last_loss = 0.0, 0, float("nan")
+        stopped_by_budget = False
+        offset = self._dp.get("offset", 0)
+        for step in range(start_step, plan.steps):
+            cost = plan.step_cost_at(step) if accountant is not None else None
+            if accountant is not None and accountant.would_exceed(cost):
+                logger.warning("DPTrainer: stopping before step %d: it would exceed the privacy budget.", step + 1)
+                stopped_by_budget = True
+                break
+            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+            indices = [offset + i for i in sampler.batch(step)]
+            batch = self._prepare_inputs(collate(indices))
+            keys = tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor)))
+            tensors = tuple(batch[k] for k in keys)
+            if self._will_log(step + 1):
+                s, c = _loss_sum(losses, fmodel, params, {k: batch[k] for k in keys})
+                loss_sum, loss_count = loss_sum + s, loss_count + c
+            if accountant is not None:
+                accountant.step(cost)
+            updates, state = pipeline_for(keys).update(tensors, state, params)
+            params = apply_updates(params, updates)
+            fmodel.load_into_model(params)
+            self._dp.update(params=params, state=state, step=step + 1)
+            self.state.global_step = step + 1
+            self.state.epoch = (step + 1) / steps_per_epoch
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            if self.control.should_log:
+                total = _global_sum(torch.tensor([loss_sum, float(loss_count)], dtype=torch.float64))
+                last_loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
+                logs = {"loss": last_loss, "learning_rate": float(optimizer_lr(args, plan, step)),
+                        "epsilon": self._spent_epsilon()}
+                loss_sum, loss_count = 0.0, 0
+                self.log(logs, start_time)
+            if self.control.should_evaluate:
+                self._evaluate(trial, ignore_keys_for_eval)
+            if self.control.should_save:
+                self._save_checkpoint(model, trial)
+                self.control = self.callback_handler.on_save(args, self.state, self.control)
+            if self.control.should_training_stop:
+                break
+        self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+        return self._finish(plan, start_step, start_time, stopped_by_budget)
+
+    # --- pieces of train() -------------------------------------------------------------
+
+    def _refuse_unsupported(self) -> None:
+        if type(self).compute_loss is not DPTrainer.compute_loss:
+            raise InputValueError(
+                f"{type(self).__name__} overrides compute_loss, which returns one loss for the whole batch; DP needs "
+                "each example's loss. Pass per_example_loss_func=lambda outputs, batch: <[B] losses> instead."
+            )
+        if self.compute_loss_func is not None:
+            raise InputValueError(
+                "DPTrainer: compute_loss_func returns a loss averaged over the whole batch, which cannot be clipped per "
+                "example. Pass per_example_loss_func=lambda outputs, batch: <one loss per example, [B]> instead."
+            )
+        if self.optimizer is not None or self.lr_scheduler is not None:
+            raise InputValueError(
+                "DPTrainer: optimizers=(optimizer, scheduler) are torch objects that the private step cannot use; "
+                "choose the optimizer with TrainingArguments.optim / learning_rate / lr_scheduler_type instead."
+            )
+        if self.model_init is not None:
+            raise InputValueError("DPTrainer does not support model_init; pass the model.")
+        if getattr(self, "neftune_noise_alpha", None):
+            raise InputValueError("DPTrainer: NEFTune noise is not supported (neftune_noise_alpha must be None).")
+
+    def _training_set(self) -> Any:
+        dataset = self.train_dataset
+        if dataset is None:
+            raise InputValueError("DPTrainer.train needs a train_dataset.")
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            raise InputValueError(
+                "DPTrainer needs a map-style train_dataset (with __len__ and indexing): Poisson sampling draws each "
+                "example independently, which a stream cannot do."
+            )
+        try:
+            import datasets
+
+            if isinstance(dataset, datasets.Dataset) and self.args.remove_unused_columns:
+                dataset = self._remove_unused_columns(dataset, description="training")
+        except ImportError:  # pragma: no cover - datasets is optional
+            pass
+        return dataset
+
+    def _privacy_seed(self) -> int:
+        seed = self.args.privacy_seed
+        if seed is None:
+            seed = secrets.randbits(62) if get_rank() == 0 else 0
+            if is_distributed() and get_world_size() > 1:
+                seed = int(all_reduce(torch.tensor([seed], dtype=torch.int64), "sum")[0])
+        return int(seed)
+
+    def _build_plan(self, n: int, world: int) -> DPPlan:
+        args = self.args
+        length: dict[str, Any] = {"steps": int(args.max_steps)} if args.max_steps > 0 else {"epochs": float(args.num_train_epochs)}
+        clip = args.clipping_norm if math.isfinite(args.clipping_norm) else UNBOUNDED_CLIP
+        extra = {**(args.sampling_kwargs or {}), **(args.privacy_noise_mechanism_kwargs or {})}
+        sequential = args.sampling_mode == "sequential"
+        if sequential and world > 1:
+            raise InputValueError("DPTrainer: sampling_mode='sequential' runs in one process only.")
+        return DPPlan(
+            dataset_size=n,
+            batch_size=float(args.per_device_train_batch_size * world),
+            clipping_norm=clip,
+            target_epsilon=args.privacy_target_epsilon,
+            delta=args.privacy_target_delta if args.privacy_target_delta is not None else 1.0 / n**1.1,
+            noise_multiplier=args.privacy_noise_multiplier,
+            sampling="poisson" if sequential else args.sampling_mode,
+            mechanism=args.privacy_noise_mechanism,
+            clip_backend=args.clip_backend,
+            accountant_kind=args.privacy_accountant,
+            **length,
+            **extra,
+        )
+
+    def _sampler(self, plan: DPPlan, dataset: Any, sampler_key: Any, rank: int, world: int) -> Any:
+        if self.args.sampling_mode == "sequential":
+            from opake_fx.dpsgd.sampling import SequentialBatchSampler
+
+            self._dp["offset"] = 0
+            return SequentialBatchSampler(len(dataset), batch_size=self.args.per_device_train_batch_size,
+                                          n_steps=plan.steps, drop_last=self.args.dataloader_drop_last)
+        return plan.sampler(dataset, sampler_key, rank=rank, world_size=world)
+
+    def _will_log(self, step: int) -> bool:
+        args = self.args
+        strategy = str(getattr(args.logging_strategy, "value", args.logging_strategy))
+        if strategy != "steps":
+            return step == self.privacy_plan.steps
+        every = self.state.logging_steps or 1
+        return (step % every == 0) or (step == 1 and args.logging_first_step) or step == self.privacy_plan.steps
+
+    def _spent_epsilon(self) -> float:
+        if self.accountant is None:
+            return math.inf if self.state.global_step > 0 else 0.0
+        return float(self.accountant.spent_epsilon(self.privacy_plan.delta))
+
+    def _finish(self, plan: DPPlan, start_step: int, start_time: float, stopped_by_budget: bool) -> TrainOutput:
+        from transformers.trainer_utils import speed_metrics
+
+        steps = self.state.global_step - start_step
+        metrics = speed_metrics("train", start_time, num_steps=steps)
+        train_loss = float("nan")
+        losses = [h["loss"] for h in self.state.log_history if "loss" in h and h.get("step", 0) > start_step]
+        if losses:
+            train_loss = sum(losses) / len(losses)
+        metrics["train_loss"] = train_loss
+        metrics["privacy_epsilon"] = self._spent_epsilon()
+        metrics["privacy_delta"] = plan.delta
+        metrics["privacy_noise_multiplier"] = plan.noise_multiplier
+        metrics["privacy_steps"] = self.state.global_step
+        metrics["privacy_budget_exhausted"] = stopped_by_budget
+        self._memory_tracker.stop_and_update_metrics(metrics)
+        self.log(dict(metrics))
+        if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            self._load_best_model()
+        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+        self.is_in_train = False
+        return TrainOutput(self.state.global_step, train_loss, metrics)
+
+    # --- checkpoints: Hugging Face's, with the DP state in place of the torch optimizer ---
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        dp = self._dp
+        if not dp or "state" not in dp:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        inner = getattr(dp["sampler"], "inner", dp["sampler"])
+        ckpt.save_dp_state(output_dir, dp["rank"], params=dp["params"], state=dp["state"], sampler=inner,
+                           accountant=self.accountant, meta={"seed": dp["seed"], "step": dp["step"]})
+        if self.args.should_save:
+            ckpt.write_accountant_json(output_dir, plan=dp["plan"], steps=dp["step"], epsilon=self._spent_epsilon(),
+                                       accountant=self.accountant)
+
+    def _save_scaler(self, output_dir: str) -> None:
+        return None
+
+    def _load_hf_checkpoint(self, directory: str) -> None:
+        self._load_from_checkpoint(directory)
+
+    def _check_same_plan(self, directory: str, plan: DPPlan) -> None:
+        path = os.path.join(directory, ckpt.ACCOUNTANT_NAME)
+        if not os.path.isfile(path):
+            return
+        saved = ckpt.read_accountant_json(directory)["plan"]
+        mine = plan.to_dict()
+        diff = sorted(k for k in mine if k in saved and saved[k] != mine[k])
+        if diff:
+            raise InputValueError(
+                f"DPTrainer: the checkpoint {directory} was made by another privacy plan (differs in {diff}); resuming "
+                "it under different arguments would change the mechanism mid-run. Resume with the original arguments."
+            )
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        """Hugging Face's loss (used by ``evaluate``/``predict``; training uses per-example losses)."""
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+_META_TEMPLATE = {"seed": 0, "step": 0}
+
+
+def _read_meta(directory: str, rank: int) -> dict[str, int]:
+    from opake_fx.errors import CheckpointError
+    from opake_fx.serialization import load_checkpoint
+
+    path = os.path.join(directory, ckpt.dp_state_name(rank))
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"DPTrainer: {directory} has no {ckpt.dp_state_name(rank)}, so the private run cannot be resumed from it "
+            "(was it saved with save_only_model=True, or by a plain Trainer?). Resume from a DPTrainer checkpoint."
+        )
+    return load_checkpoint(path, check_ranks=False, meta=dict(_META_TEMPLATE))["meta"]
+
+
+def _loss_over(losses: Callable[..., torch.Tensor], fmodel: FunctionalModel, keys: tuple[str, ...], backend: str) -> Callable[..., Any]:
+    def batched(params: Any, *tensors: torch.Tensor) -> torch.Tensor:
+        return losses(fmodel, params, dict(zip(keys, tensors)))
+
+    if backend != "vmap":
+        return batched
+
+    def one(params: Any, *tensors: torch.Tensor) -> torch.Tensor:  # one example, no batch axis
+        return with_batch_dim(lambda *t: batched(params, *t))(*tensors)
+
+    return one
+
+
+def _loss_sum(losses: Callable[..., torch.Tensor], fmodel: FunctionalModel, params: Any, batch: dict[str, torch.Tensor]) -> tuple[float, int]:
+    first = next(iter(batch.values()))
+    if first.shape[0] == 0:
+        return 0.0, 0
+    with torch.no_grad():
+        values = losses(fmodel, params, batch)
+    return float(values.detach().double().sum()), int(values.shape[0])
+
+
+def _global_sum(t: torch.Tensor) -> torch.Tensor:
+    if is_distributed() and get_world_size() > 1:
+        return all_reduce(t, "sum")
+    return t
+
+
+def optimizer_lr(args: Any, plan: DPPlan, step: int) -> float:
+    """The learning rate the optimizer used at ``step`` (from 0)."""
+    from opake_fx.transformers.optim import learning_rate_schedule
+
+    return float(learning_rate_schedule(args, plan.steps)(step))
+
+
+class _EmptyAwareCollate:
+    """``collate(indices)``: the data collator on the examples, or correctly shaped empty tensors for ``[]``."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any], dataset: Any) -> None:
+        self.collate, self.dataset = collate, dataset
+        self._empty: Any = None
+
+    def __call__(self, indices: list[int]) -> dict[str, Any]:
+        if indices:
+            return dict(self.collate([self.dataset[i] for i in indices]))
+        if self._empty is None:
+            one = dict(self.collate([self.dataset[0]]))
+            self._empty = {k: (v[:0] if isinstance(v, torch.Tensor) else v) for k, v in one.items()}
+        return dict(self._empty)
