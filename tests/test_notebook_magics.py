@@ -1,0 +1,255 @@
+"""torchrun-backed notebook cells (``opake_fx.notebook``): the pool directly, and through a real kernel.
+
+The kernel test is the acceptance test of the ``%dist_*`` magics: a Jupyter kernel
+(jupyter_client) loads the extension, starts 2 torchrun ranks, all-reduces a tensor, runs
+the seed's distributed tutorial (``examples/distributed_dp_training.py``: the seed's cells
+with renamed imports only) cell by cell to its final epsilon line, sees a rank's exception
+re-raised with its rank, sees a killed rank reported within 10 s, interrupts the ranks,
+and leaves no process behind after ``%dist_stop`` or the kernel's exit.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from opake_fx.errors import InputValueError
+from opake_fx.notebook import DistPool, PoolBrokenError, RankDiedError, RankError, launch
+
+ROOT = Path(__file__).parents[1]
+TUTORIAL = ROOT / "examples" / "distributed_dp_training.py"
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def total_times_rank(x: float) -> float:
+    """Used by the launch() test: the ranks import it from this module."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x * (dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_pool_rejects_bad_arguments():
+    with pytest.raises(InputValueError, match="nproc >= 1"):
+        DistPool(0)
+    with pytest.raises(InputValueError, match="backend must be one of"):
+        DistPool(2, backend="mpi")
+
+
+@pytest.mark.distributed
+def test_pool_runs_cells_pulls_values_and_stops_cleanly(monkeypatch):
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    lines: list[tuple[int, str, str]] = []
+    pool = DistPool(2, backend="gloo", echo=lambda r, s, line: lines.append((r, s, line)))
+    pids = [pool.torchrun_pid, *pool.pids.values()]
+    try:
+        assert pool.state == "running" and sorted(pool.pids) == [0, 1]
+        pool.run_cell("import torch, torch.distributed as dist\nt = torch.ones(2) * (rank + 1)\ndist.all_reduce(t)\nprint(t.tolist())")
+        assert (0, "stdout", "[3.0, 3.0]\n") in lines and (1, "stdout", "[3.0, 3.0]\n") in lines
+        pool.run_cell("import sys\nprint('to stderr', file=sys.stderr)\nrank * 10", ranks=[1])
+        assert (1, "stderr", "to stderr\n") in lines and (1, "stdout", "10\n") in lines
+        assert not any(r == 0 and "to stderr" in line for r, _, line in lines)
+        assert pool.pull("t").tolist() == [3.0, 3.0]
+        assert pool.pull("rank", rank=1) == 1
+        with pytest.raises(RankError, match="rank 1 raised ZeroDivisionError") as info:
+            pool.run_cell("x = 1 / (1 - rank)")
+        assert info.value.rank == 1 and "<dist-cell-" in info.value.remote_traceback
+        assert pool.call(total_times_rank, 2.0) == {0: 6.0, 1: 6.0}
+        # a script written for torchrun: init and destroy of the default group are the pool's
+        pool.run_cell("dist.init_process_group(backend='gloo')\ndist.destroy_process_group()\nprint(dist.is_initialized())")
+        assert (0, "stdout", "True\n") in lines
+    finally:
+        pool.stop()
+    assert pool.state == "stopped"
+    assert _wait_gone(pids) == []
+    assert "torch.distributed" not in sys.modules or not __import__("torch").distributed.is_initialized()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_launch_returns_rank_zeros_result(monkeypatch):
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    assert launch(total_times_rank, 10.0, nproc=2, backend="gloo") == 30.0
+
+
+# --------------------------------------------------------------------- the kernel test
+class _Kernel:
+    """A Jupyter kernel (jupyter_client) and a helper that runs one cell and gathers its output."""
+
+    def __init__(self) -> None:
+        from jupyter_client.manager import KernelManager
+
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(cwd=str(ROOT), env={**os.environ, **ENV})
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+
+    def submit(self, code: str) -> str:
+        return self.kc.execute(code)
+
+    def collect(self, msg_id: str, timeout: float) -> dict:
+        out = {"stdout": "", "stderr": "", "error": None, "result": ""}
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"cell did not finish within {timeout} s; output so far: {out}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=left)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                out[content["name"]] += content["text"]
+            elif kind == "error":
+                out["error"] = content
+            elif kind == "execute_result":
+                out["result"] += content["data"].get("text/plain", "")
+            elif kind == "status" and content["execution_state"] == "idle":
+                return out
+
+    def run(self, code: str, timeout: float = 120.0) -> dict:
+        return self.collect(self.submit(code), timeout)
+
+    def ok(self, code: str, timeout: float = 120.0) -> dict:
+        out = self.run(code, timeout)
+        assert out["error"] is None, "\n".join(out["error"]["traceback"]) + out["stderr"]
+        return out
+
+    def pool_pids(self) -> list[int]:
+        status = self.ok("%dist_status")["stdout"]
+        return [int(p) for p in re.findall(r"pid (\d+)", status)]
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        if self.km.is_alive():
+            self.km.shutdown_kernel(now=True)
+
+
+def _tutorial_cells() -> list[str]:
+    """The seed tutorial's four code cells before its cleanup cell, and the cleanup cell."""
+    text = TUTORIAL.read_text(encoding="utf-8")
+    marks = ["torch.manual_seed(42)", "BATCH_SIZE = 64", "for step, (xb, yb) in enumerate(loader):",
+             "if rank == 0:\n    eps_final"]
+    cuts = [0, *(text.index(m) for m in marks), len(text)]
+    return [text[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_kernel_runs_the_distributed_tutorial_on_two_torchrun_ranks():
+    pytest.importorskip("jupyter_client")
+    pytest.importorskip("ipykernel")
+    kernel = _Kernel()
+    try:
+        kernel.ok("%load_ext opake_fx.notebook")
+        started = kernel.ok("%dist_start -n 2 --backend gloo", timeout=300)["stdout"]
+        assert "Started 2 ranks under torchrun" in started
+
+        out = kernel.ok("%%dist\nimport torch, torch.distributed as dist\n"
+                        "t = torch.ones(3) * (rank + 1)\ndist.all_reduce(t)\nprint(t.tolist())")
+        assert "[rank 0] [3.0, 3.0, 3.0]" in out["stdout"] and "[rank 1] [3.0, 3.0, 3.0]" in out["stdout"]
+        assert kernel.ok("import sys\nprint('torch.distributed' in sys.modules)")["stdout"].strip() == "False"
+
+        # the seed's tutorial, cell by cell (its imports renamed, nothing else changed)
+        cells = _tutorial_cells()
+        assert len(cells) == 5
+        log = "".join(kernel.ok("%%dist\n" + cell, timeout=600)["stdout"] for cell in cells)
+        assert "[rank 0] Rank 0/2 on cpu" in log and "[rank 1] Rank 1/2 on cpu" in log
+        assert re.search(r"\[rank 0\] Noise multiplier: \d+\.\d{4}", log)
+        assert "[rank 0] Step  500" in log and "[rank 1] Step" not in log
+        final = re.search(r"\[rank 0\] Final epsilon: (\d+\.\d+)", log)
+        assert final and abs(float(final.group(1)) - 3.0) <= 0.01, log[-2000:]
+        # the pool still works after the tutorial's own destroy_process_group()
+        kernel.ok("%%dist\ndist.all_reduce(t)\nassert t.tolist() == [6.0, 6.0, 6.0]")
+        kernel.ok("%dist_pull t --as t_from_rank0")
+        assert kernel.ok("t_from_rank0.tolist()")["result"] == "[6.0, 6.0, 6.0]"
+
+        # an exception on rank 1, re-raised in the kernel naming its rank
+        out = kernel.run("%%dist\nif rank == 1:\n    raise ValueError('only rank one fails')\nprint('passed')")
+        assert out["error"] is not None and out["error"]["ename"] == "RankError"
+        assert "rank 1 raised ValueError: only rank one fails" in out["error"]["evalue"]
+        shown = "\n".join(out["error"]["traceback"])
+        assert "raised on rank 1" in shown and "only rank one fails" in shown
+        assert "[rank 0] passed" in out["stdout"]
+
+        # KeyboardInterrupt interrupts the ranks; the pool keeps working
+        msg_id = kernel.submit("%%dist\nimport time\nfor _ in range(600):\n    time.sleep(0.1)")
+        time.sleep(2.0)
+        kernel.km.interrupt_kernel()
+        out = kernel.collect(msg_id, timeout=30)
+        assert out["error"] is not None and out["error"]["ename"] == "KeyboardInterrupt"
+        assert "[rank 1] done" in kernel.ok("%%dist\nprint('done')")["stdout"]
+
+        # killing rank 1 in the middle of a cell: reported within 10 s with its exit code
+        rank1 = int(kernel.ok("%%dist --rank 1\nimport os\nprint(os.getpid())")["stdout"].split()[-1])
+        msg_id = kernel.submit("%%dist\nimport time\ntime.sleep(120)")
+        time.sleep(2.0)
+        killed_at = time.monotonic()
+        os.kill(rank1, signal.SIGKILL)
+        out = kernel.collect(msg_id, timeout=60)
+        took = time.monotonic() - killed_at
+        assert out["error"] is not None and out["error"]["ename"] == "RankDiedError", out
+        assert "rank 1" in out["error"]["evalue"] and "-9 (SIGKILL)" in out["error"]["evalue"]
+        assert took < 10.0, f"the dead rank was reported after {took:.1f} s"
+        out = kernel.run("%%dist\nprint(1)")
+        assert out["error"] is not None and out["error"]["ename"] == "PoolBrokenError"
+
+        # %dist_stop leaves no process behind
+        kernel.ok("%dist_start -n 2 --backend gloo", timeout=300)
+        pids = kernel.pool_pids()
+        assert len(pids) == 3  # torchrun and two ranks
+        kernel.ok("%dist_stop")
+        assert _wait_gone(pids, timeout=10) == []
+
+        # neither does a kernel that exits with a pool running
+        kernel.ok("%dist_start -n 2 --backend gloo", timeout=300)
+        pids = kernel.pool_pids()
+        kernel.km.shutdown_kernel(now=False)
+        assert _wait_gone(pids, timeout=20) == []
+    finally:
+        kernel.close()
+
+
+def test_broken_pool_refuses_cells_with_the_reason():
+    pool = DistPool.__new__(DistPool)  # a pool object in the broken state, without processes
+    pool._state, pool._reason = "broken", "rank 1 (pid 1) died with exit code -9 (SIGKILL)"
+    with pytest.raises(PoolBrokenError, match="rank 1 .* died with exit code -9"):
+        pool.run_cell("print(1)")
+
+
+def test_rank_died_error_names_rank_and_code():
+    err = RankDiedError(1, -9, "rank 1 (pid 5) died with exit code -9 (SIGKILL)", "tail")
+    assert err.rank == 1 and err.exitcode == -9 and "tail" in str(err)
