@@ -17,7 +17,9 @@ Conventions every checker follows:
   and NaN is never a valid real;
 - integers may be Python ints, numpy integers or anything with ``__index__`` (a 0-dim
   integer tensor), never floats, bools or bool tensors;
-- infinity is rejected unless the checker says otherwise (``allow_inf``).
+- infinity is rejected unless the checker says otherwise (``allow_inf``);
+- a NaN fails every range, so its message names the range expected (``real`` alone
+  says "is NaN").
 
 The module imports neither torch nor numpy, so the torch-free accounting modules use it
 too.
@@ -90,13 +92,9 @@ def real(value: object, name: str, where: str, hint: str = "") -> float:
         ...
         opake_fx.errors.InputTypeError: cosine: alpha must be a real number; got str ('x').
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InputTypeError(
-            f"{where}: {name} must be a real number; got {type(value).__name__} ({value!r}).{_sp(hint)}"
-        )
-    out = float(value)
+    out = _number(value, name, where, hint)
     if math.isnan(out):
-        raise InputValueError(f"{where}: {name} is NaN; {hint or 'pass a finite number.'}")
+        raise InputValueError(f"{where}: {name} is NaN; pass a finite number.{_sp(hint)}")
     return out
 
 
@@ -111,8 +109,8 @@ def finite(value: object, name: str, where: str, hint: str = "") -> float:
         ...
         opake_fx.errors.InputValueError: linear: end_value must be finite; got inf.
     """
-    out = real(value, name, where, hint)
-    if math.isinf(out):
+    out = _number(value, name, where, hint)
+    if not math.isfinite(out):
         raise InputValueError(f"{where}: {name} must be finite; got {out}.{_sp(hint)}")
     return out
 
@@ -126,8 +124,8 @@ def positive(value: object, name: str, where: str, hint: str = "", *, allow_inf:
         ...
         opake_fx.errors.InputValueError: gaussian: noise_multiplier must be finite and > 0; got 0.0. Calibrate it with calibrate().
     """
-    out = real(value, name, where, hint)
-    if not out > 0 or (math.isinf(out) and not allow_inf):
+    out = _number(value, name, where, hint)
+    if not (out > 0 and (allow_inf or out < math.inf)):
         bound = "> 0" if allow_inf else "finite and > 0"
         raise InputValueError(f"{where}: {name} must be {bound}; got {out}.{_sp(hint)}")
     return out
@@ -140,8 +138,8 @@ def non_negative(value: object, name: str, where: str, hint: str = "", allow_inf
         >>> non_negative(0.0, "weight_decay", "adamw")
         0.0
     """
-    out = real(value, name, where, hint)
-    if out < 0 or (math.isinf(out) and not allow_inf):
+    out = _number(value, name, where, hint)
+    if not (out >= 0 and (allow_inf or out < math.inf)):
         bound = "a number >= 0" if allow_inf else "finite and >= 0"
         raise InputValueError(f"{where}: {name} must be {bound}; got {out}.{_sp(hint)}")
     return out
@@ -168,8 +166,10 @@ def interval(
         ...
         opake_fx.errors.InputValueError: monte_carlo: confidence must be in (0, 1); got 1.
     """
-    out = real(value, name, where, hint)
-    if out < low or out > high or (low_open and out == low) or (high_open and out == high):
+    out = _number(value, name, where, hint)
+    above = out > low if low_open else out >= low
+    below = out < high if high_open else out <= high
+    if not (above and below):
         left, right = "(" if low_open else "[", ")" if high_open else "]"
         raise InputValueError(f"{where}: {name} must be in {left}{low:g}, {high:g}{right}; got {out:g}.{_sp(hint)}")
     return out
@@ -202,7 +202,7 @@ def delta(value: object, where: str, name: str = "delta") -> float:
         >>> delta(1e-5, "epsilon_budget")
         1e-05
     """
-    out = real(value, name, where)
+    out = _number(value, name, where)
     if not 0.0 < out < 1.0:
         raise InputValueError(
             f"{where}: {name} must be in the open interval (0, 1); got {out}. "
@@ -268,6 +268,15 @@ def choice(value: Any, name: str, where: str, options: Collection[Any], hint: st
     if not ok:
         raise InputValueError(f"{where}: {name} must be one of {tuple(options)}; got {value!r}.{_sp(hint)}")
     return value
+
+
+def _number(value: object, name: str, where: str, hint: str = "") -> float:
+    # The type check of every real-valued checker; NaN passes here and fails each range.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InputTypeError(
+            f"{where}: {name} must be a real number; got {type(value).__name__} ({value!r}).{_sp(hint)}"
+        )
+    return float(value)
 
 
 def _as_index(value: object) -> int | None:
