@@ -21,8 +21,9 @@ All are ``DataLoader`` batch samplers drawn from an explicit
 :class:`~opake_fx.random.RngKey` (never the global RNG): step ``t`` uses
 ``fold_in(key, t)`` and the group / bin / permutation uses a reserved stream of the
 key, so a run is reproducible and resumable from ``state_dict``. Iteration is a
-cursor over the run (as :class:`opake_fx.dpsgd.sampling.PoissonSampler`): after
-``n_steps`` batches ``iter()`` raises instead of starting over.
+cursor over the run: after ``n_steps`` batches ``iter()`` raises instead of starting
+over. The cursor, the key, the saved state and the Poisson draw are those of the shared
+sampler base :mod:`opake_fx.sampling_base`, as for :class:`opake_fx.dpsgd.sampling.PoissonSampler`.
 
 Example:
     >>> from opake_fx.random import key
@@ -35,112 +36,38 @@ from __future__ import annotations
 
 import math
 from numbers import Integral, Real
-from typing import Any, Iterator, Mapping, SupportsIndex
+from typing import Any, SupportsIndex
 
 import torch
 from scipy import special
-from torch.utils.data import Sampler
 
-from opake_fx.dpsgd.sampling import _check_count, _check_sample_rate, _dataset_size, _poisson_indices
-from opake_fx.errors import InputTypeError, InputValueError, OperationError
+import opake_fx.validation as check
+from opake_fx.errors import InputValueError
 from opake_fx.random import RngKey, bits, fold_in, normal
+from opake_fx.sampling_base import SAMPLE_RATE_HINT, KeyedSampler, poisson_indices, uniform53
 from opake_fx.typing import typechecked
 
 __all__ = ["CyclicPoissonSampler", "MinSepSampler", "BallsInBinsSampler", "FixedEpochSampler", "uniform_groups"]
 
-# Reserved streams of the key (step keys are fold_in(key, t) for t < n_steps <= 2**31).
+# Reserved streams of the key (step keys are fold_in(key, t) for t < n_steps < 2**31).
+_MAX_STEPS = 2**31 - 1
 _GROUP_STREAM = 0xFFFFFFF0
 _WARM_STREAM = 0xFFFFFFF1
 
 
-class _KeyedSampler(Sampler[list[int]]):
-    """Shared cursor, length, ``batch(step)`` and ``state_dict`` logic."""
+class _DpftrlSampler(KeyedSampler):
+    """The sampler base with DP-FTRL's step limit (the key's reserved streams) and exhaustion message."""
 
-    _config_fields: tuple[str, ...] = ()
+    exhausted_hint = (
+        "The strategy and the accounting cover n_steps steps; build a new sampler and strategy for a longer run, "
+        "or load_state_dict an earlier state to replay."
+    )
 
-    def __init__(self, dataset: Any, n_steps: int, key: RngKey) -> None:
-        name = type(self).__name__
-        self.dataset_size: int = _dataset_size(dataset, name)
-        self.n_steps: int = _check_count(n_steps, "n_steps", name, minimum=1)
-        if self.n_steps >= 2**31:
-            raise InputValueError(f"{name}: n_steps must be below 2**31; got {self.n_steps}.")
-        self.key: RngKey = key  # type-checked by every public constructor
-        self._next_step = 0
-
-    @property
-    def next_step(self) -> int:
-        """The step whose batch the next ``next()`` yields (``n_steps`` when exhausted)."""
-        return self._next_step
-
-    def __len__(self) -> int:
-        return self.n_steps
-
-    def __iter__(self) -> Iterator[list[int]]:
-        if self._next_step >= self.n_steps:
-            raise OperationError(
-                f"{type(self).__name__} has already yielded all n_steps={self.n_steps} batches. The strategy and the "
-                "accounting cover n_steps steps; build a new sampler and strategy for a longer run, or "
-                "load_state_dict an earlier state to replay."
-            )
-        return self._iterate()
-
-    def _iterate(self) -> Iterator[list[int]]:
-        while self._next_step < self.n_steps:
-            step = self._next_step
-            out = self.batch(step)
-            self._next_step = step + 1
-            yield out
-
-    def batch(self, step: int) -> list[int]:
-        """The sorted indices of step ``step`` (pure: does not move the cursor)."""
-        raise NotImplementedError
-
-    def _check_step(self, step: int) -> int:
-        step = _check_count(step, "step", f"{type(self).__name__}.batch", minimum=0)
-        if step >= self.n_steps:
-            raise InputValueError(f"{type(self).__name__}.batch(step) needs 0 <= step < n_steps={self.n_steps}; got {step}.")
-        return step
-
-    def state_dict(self) -> dict[str, Any]:
-        """The key, the next step and the configuration (plain Python values)."""
-        out = {"key": list(self.key.words), "next_step": self._next_step, "n_steps": self.n_steps, "dataset_size": self.dataset_size}
-        out.update({f: getattr(self, f) for f in self._config_fields})
-        return out
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores the key and the cursor; the configuration must match (else a different mechanism)."""
-        name = type(self).__name__
-        if not isinstance(state, Mapping):
-            raise InputTypeError(f"{name}.load_state_dict needs the dict from state_dict(); got {type(state).__name__}.")
-        expected = self.state_dict()
-        missing = sorted(set(expected) - set(state))
-        if missing:
-            raise InputValueError(f"{name}.load_state_dict: the state lacks {missing}; pass the dict from state_dict().")
-        for f in expected:
-            if f not in ("key", "next_step") and state[f] != expected[f]:
-                raise InputValueError(
-                    f"{name}.load_state_dict: the saved {f}={state[f]!r} differs from this sampler's {expected[f]!r}. "
-                    "Build the sampler with the saved configuration: another one is another mechanism."
-                )
-        words = state["key"]
-        new_key = RngKey((int(words[0]), int(words[1])))
-        nxt = _check_count(state["next_step"], "next_step", f"{name}.load_state_dict", minimum=0)
-        if nxt > self.n_steps:
-            raise InputValueError(f"{name}.load_state_dict: next_step={nxt} is beyond n_steps={self.n_steps}.")
-        if new_key != self.key:
-            self.key = new_key
-            self._reset()
-        self._next_step = nxt
-
-    def _reset(self) -> None:
-        """Drops caches derived from the key."""
-
-    def __repr__(self) -> str:
-        cfg = ", ".join(f"{f}={getattr(self, f)}" for f in self._config_fields)
-        return f"{type(self).__name__}(dataset_size={self.dataset_size}, {cfg}, n_steps={self.n_steps}, next_step={self._next_step})"
+    def __init__(self, dataset: Any, n_steps: Any, key: RngKey) -> None:
+        super().__init__(dataset, n_steps, key, max_steps=_MAX_STEPS)
 
 
-class _GroupedSampler(_KeyedSampler):
+class _GroupedSampler(_DpftrlSampler):
     """Examples assigned to ``num_groups`` groups uniformly and independently (keyed)."""
 
     def __init__(self, dataset: Any, n_steps: int, key: RngKey, num_groups: int) -> None:
@@ -192,13 +119,13 @@ class CyclicPoissonSampler(_GroupedSampler):
         True
     """
 
-    _config_fields = ("sample_rate", "partitions")
+    config_fields = ("n_steps", "dataset_size", "sample_rate", "partitions")
 
     @typechecked
     def __init__(self, dataset: Any, *, sample_rate: Real, partitions: SupportsIndex, n_steps: SupportsIndex, key: RngKey) -> None:
         name = type(self).__name__
-        self.sample_rate: float = _check_sample_rate(sample_rate, name)
-        self.partitions: int = _check_count(partitions, "partitions", name, minimum=1)
+        self.sample_rate: float = check.probability(sample_rate, "sample_rate", name, hint=SAMPLE_RATE_HINT)
+        self.partitions: int = check.integer(partitions, "partitions", name, minimum=1)
         super().__init__(dataset, n_steps, key, self.partitions)
 
     @property
@@ -207,9 +134,9 @@ class CyclicPoissonSampler(_GroupedSampler):
         return self.sample_rate * self.dataset_size / self.partitions
 
     def batch(self, step: int) -> list[int]:
-        step = self._check_step(step)
+        step = self.checked_step(step)
         members = self._groups()[step % self.partitions]
-        idx = _poisson_indices(fold_in(self.key, step), int(members.numel()), self.sample_rate)
+        idx = poisson_indices(fold_in(self.key, step), int(members.numel()), self.sample_rate)
         return members[idx].tolist()
 
 
@@ -232,19 +159,19 @@ class BallsInBinsSampler(_GroupedSampler):
         True
     """
 
-    _config_fields = ("cycle_length",)
+    config_fields = ("n_steps", "dataset_size", "cycle_length")
 
     @typechecked
     def __init__(self, dataset: Any, *, cycle_length: SupportsIndex, n_steps: SupportsIndex, key: RngKey) -> None:
-        self.cycle_length: int = _check_count(cycle_length, "cycle_length", type(self).__name__, minimum=1)
+        self.cycle_length: int = check.integer(cycle_length, "cycle_length", type(self).__name__, minimum=1)
         super().__init__(dataset, n_steps, key, self.cycle_length)
 
     def batch(self, step: int) -> list[int]:
-        step = self._check_step(step)
+        step = self.checked_step(step)
         return self._groups()[step % self.cycle_length].tolist()
 
 
-class MinSepSampler(_KeyedSampler):
+class MinSepSampler(_DpftrlSampler):
     """b-min-sep sampling: an available example joins with probability ``p``, then rests ``b - 1`` steps.
 
     Two participations of one example are therefore at least ``min_sep`` steps apart
@@ -269,18 +196,16 @@ class MinSepSampler(_KeyedSampler):
         True
     """
 
-    _config_fields = ("sample_rate", "min_sep", "warm_start")
+    config_fields = ("n_steps", "dataset_size", "sample_rate", "min_sep", "warm_start")
 
     @typechecked
     def __init__(
         self, dataset: Any, *, sample_rate: Real, min_sep: SupportsIndex, n_steps: SupportsIndex, key: RngKey, warm_start: bool = False
     ) -> None:
         name = type(self).__name__
-        self.sample_rate: float = _check_sample_rate(sample_rate, name)
-        self.min_sep: int = _check_count(min_sep, "min_sep", name, minimum=1)
-        if not isinstance(warm_start, bool):
-            raise InputTypeError(f"{name} needs warm_start to be a bool; got {type(warm_start).__name__}.")
-        self.warm_start = warm_start
+        self.sample_rate: float = check.probability(sample_rate, "sample_rate", name, hint=SAMPLE_RATE_HINT)
+        self.min_sep: int = check.integer(min_sep, "min_sep", name, minimum=1)
+        self.warm_start: bool = check.flag(warm_start, "warm_start", name)
         super().__init__(dataset, n_steps, key)
         self._cache: tuple[int, torch.Tensor] | None = None  # (step, next-available step per example)
 
@@ -297,12 +222,12 @@ class MinSepSampler(_KeyedSampler):
         n, b, p = self.dataset_size, self.min_sep, self.sample_rate
         if not self.warm_start or b == 1:
             return torch.zeros(n, dtype=torch.int64)
-        u = _uniform53(fold_in(self.key, _WARM_STREAM), n)
+        u = uniform53(fold_in(self.key, _WARM_STREAM), n)
         start = torch.tensor([1.0] + [p] * (b - 1), dtype=torch.float64) / (1.0 + (b - 1) * p)
         return torch.searchsorted(torch.cumsum(start, 0)[:-1].contiguous(), u, right=True)
 
     def batch(self, step: int) -> list[int]:
-        step = self._check_step(step)
+        step = self.checked_step(step)
         if self._cache is None or self._cache[0] > step:
             self._cache = (0, self._initial())
         t, avail = self._cache
@@ -319,7 +244,7 @@ class MinSepSampler(_KeyedSampler):
                 return torch.nonzero(chosen).reshape(-1).tolist()
 
 
-class FixedEpochSampler(_KeyedSampler):
+class FixedEpochSampler(_DpftrlSampler):
     """Fixed-epoch order (Choquette-Choo et al. 2022): ``k`` passes over one keyed permutation.
 
     The permutation is split into ``steps_per_epoch`` batches (sizes differ by at most
@@ -341,13 +266,13 @@ class FixedEpochSampler(_KeyedSampler):
         (10, True, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
     """
 
-    _config_fields = ("steps_per_epoch", "epochs")
+    config_fields = ("n_steps", "dataset_size", "steps_per_epoch", "epochs")
 
     @typechecked
     def __init__(self, dataset: Any, *, steps_per_epoch: SupportsIndex, epochs: SupportsIndex, key: RngKey) -> None:
         name = type(self).__name__
-        self.steps_per_epoch: int = _check_count(steps_per_epoch, "steps_per_epoch", name, minimum=1)
-        self.epochs: int = _check_count(epochs, "epochs", name, minimum=1)
+        self.steps_per_epoch: int = check.integer(steps_per_epoch, "steps_per_epoch", name, minimum=1)
+        self.epochs: int = check.integer(epochs, "epochs", name, minimum=1)
         super().__init__(dataset, self.steps_per_epoch * self.epochs, key)
         if self.steps_per_epoch > self.dataset_size:
             raise InputValueError(
@@ -360,7 +285,7 @@ class FixedEpochSampler(_KeyedSampler):
         self._perm = None
 
     def batch(self, step: int) -> list[int]:
-        step = self._check_step(step)
+        step = self.checked_step(step)
         if self._perm is None:
             words = bits(fold_in(self.key, _GROUP_STREAM), (self.dataset_size, 2))
             perm = torch.argsort((words[:, 0] << 31) ^ words[:, 1], stable=True)
@@ -384,10 +309,3 @@ def uniform_groups(k: RngKey, n: Integral, num_groups: Integral) -> torch.Tensor
         todo = todo[~ok]
         round_ += 1
     return out
-
-
-def _uniform53(k: RngKey, n: int) -> torch.Tensor:
-    """``n`` uniforms in [0, 1) with 53 random bits each."""
-    words = bits(k, (n, 2))
-    return ((words[:, 0] >> 5) * 67108864 + (words[:, 1] >> 6)).double() / 9007199254740992.0
-

@@ -10,12 +10,14 @@ redrawn, because either would change the mechanism the accountant assumes.
 
 Each sampler is a ``torch.utils.data.DataLoader`` ``batch_sampler`` (an iterable of lists
 of indices) and exposes what accounting needs: ``sample_rate``, ``n_steps`` and
-``dataset_size``.
+``dataset_size``. The step cursor, the key and the saved state are those of the shared
+sampler base, :mod:`opake_fx.sampling_base` (as for the DP-FTRL samplers).
 
 How a Poisson batch is drawn: the gaps between included indices of independent
 Bernoulli(q) trials are i.i.d. Geometric(q), so the sampler draws gaps
 ``floor(log(u) / log(1 - q))`` from 53-bit uniforms ``u`` built from threefry words
-(:func:`opake_fx.random.bits`) and walks through the index range. The distribution is
+(:func:`opake_fx.random.bits`) and walks through the index range
+(:func:`opake_fx.sampling_base.poisson_indices`). The distribution is
 that of one independent coin per example (up to float64 rounding, ~1e-16), and a step
 costs about ``q * N`` draws instead of ``N``: for N = 60,000 and q = 256/60,000 under a
 millisecond, where a per-example ``uniform`` costs ~30 ms. A ``torch.Generator`` seeded
@@ -34,16 +36,15 @@ Example:
 
 from __future__ import annotations
 
-import math
-import operator
-from numbers import Integral, Real
-from typing import Any, Iterator, Mapping, SupportsIndex
+from numbers import Real
+from typing import Any, SupportsIndex
 
 import torch
-from torch.utils.data import Sampler
 
-from opake_fx.errors import InputTypeError, InputValueError, OperationError
+import opake_fx.validation as check
+from opake_fx.errors import InputValueError
 from opake_fx.random import RngKey, bits, fold_in
+from opake_fx.sampling_base import SAMPLE_RATE_HINT, KeyedSampler, StepSampler, dataset_length, poisson_indices
 from opake_fx.typing import typechecked
 
 __all__ = ["PoissonSampler", "TruncatedPoissonSampler", "SequentialBatchSampler"]
@@ -53,7 +54,7 @@ __all__ = ["PoissonSampler", "TruncatedPoissonSampler", "SequentialBatchSampler"
 _TRUNCATION_STREAM = 0xFFFFFFFF
 
 
-class PoissonSampler(Sampler[list[int]]):
+class PoissonSampler(KeyedSampler):
     """Poisson-subsampled batches: each step includes each index independently with probability ``sample_rate``.
 
     Use it as ``DataLoader(dataset, batch_sampler=sampler, collate_fn=...)``; the
@@ -93,39 +94,24 @@ class PoissonSampler(Sampler[list[int]]):
         5
     """
 
+    config_fields = ("sample_rate", "n_steps", "dataset_size")
+    exhausted_hint = (
+        "Training longer than n_steps is not covered by the accounting made for n_steps. "
+        "To run more steps, build a new sampler with a fresh key (e.g. fold_in(key, run)) "
+        "and account for them; to replay a run, load_state_dict an earlier state."
+    )
+
     # Counts are SupportsIndex: ints, numpy integers and 0-dim integer tensors (the checks
-    # below reject bools and non-integer tensors).
+    # reject bools and non-integer tensors).
     @typechecked
     def __init__(self, dataset: Any, *, sample_rate: Real, n_steps: SupportsIndex, key: RngKey) -> None:
-        name = type(self).__name__
-        self.dataset_size: int = _dataset_size(dataset, name)
-        self.sample_rate: float = _check_sample_rate(sample_rate, name)
-        self.n_steps: int = _check_count(n_steps, "n_steps", name, minimum=1)
-        self.key: RngKey = key  # type-checked by the constructor (a clear error with the fix)
-        self._next_step = 0
-
-    @property
-    def next_step(self) -> int:
-        """The step whose batch the next ``next()`` yields (``n_steps`` when exhausted)."""
-        return self._next_step
+        super().__init__(dataset, n_steps, key)
+        self.sample_rate: float = check.probability(sample_rate, "sample_rate", type(self).__name__, hint=SAMPLE_RATE_HINT)
 
     @property
     def expected_batch_size(self) -> float:
         """``sample_rate * dataset_size``: the mean batch size."""
         return self.sample_rate * self.dataset_size
-
-    def __len__(self) -> int:
-        return self.n_steps
-
-    def __iter__(self) -> Iterator[list[int]]:
-        if self._next_step >= self.n_steps:
-            raise OperationError(
-                f"{type(self).__name__} has already yielded all n_steps={self.n_steps} batches. "
-                "Training longer than n_steps is not covered by the accounting made for n_steps. "
-                "To run more steps, build a new sampler with a fresh key (e.g. fold_in(key, run)) "
-                "and account for them; to replay a run, load_state_dict an earlier state."
-            )
-        return self._iterate()
 
     def batch(self, step: int) -> list[int]:
         """The sorted indices of step ``step``'s batch (pure: does not move the cursor).
@@ -138,92 +124,7 @@ class PoissonSampler(Sampler[list[int]]):
             >>> s.batch(1) == list(s)[1]
             True
         """
-        return _poisson_indices(self._step_key(step), self.dataset_size, self.sample_rate).tolist()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The key, the next step and the configuration (plain Python values).
-
-        Save it next to the model; :meth:`load_state_dict` on a sampler built with the
-        same configuration resumes with exactly the same batches. With a ``DataLoader``
-        that has ``num_workers > 0``, the loader prefetches batches, so the cursor runs
-        ahead of training: record the step your loop completed and restore with
-        ``load_state_dict({**sd, "next_step": completed_steps})``.
-
-        Example:
-            >>> from opake_fx.random import key
-            >>> s = PoissonSampler(10, sample_rate=0.5, n_steps=4, key=key(0))
-            >>> it = iter(s); _ = next(it)
-            >>> s.state_dict()["next_step"]
-            1
-        """
-        return {
-            "key": list(self.key.words),
-            "next_step": self._next_step,
-            "sample_rate": self.sample_rate,
-            "n_steps": self.n_steps,
-            "dataset_size": self.dataset_size,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores the key and the next step saved by :meth:`state_dict`.
-
-        Raises :class:`~opake_fx.errors.InputValueError` if the saved configuration
-        (``sample_rate``, ``n_steps``, ``dataset_size``, ...) differs from this sampler's:
-        a resumed run with another configuration is a different mechanism from the one
-        that was accounted for.
-        """
-        name = type(self).__name__
-        if not isinstance(state, Mapping):
-            raise InputTypeError(f"{name}.load_state_dict needs the dict from state_dict(); got {type(state).__name__}.")
-        expected = self.state_dict()
-        missing = sorted(set(expected) - set(state))
-        if missing:
-            raise InputValueError(
-                f"{name}.load_state_dict: the state lacks {missing}; pass the dict returned by state_dict()."
-            )
-        for field in expected:
-            if field in ("key", "next_step"):
-                continue
-            if state[field] != expected[field]:
-                raise InputValueError(
-                    f"{name}.load_state_dict: the saved {field}={state[field]!r} differs from this sampler's "
-                    f"{field}={expected[field]!r}. Build the sampler with the saved configuration; resuming "
-                    "with another one changes the mechanism the accountant assumed."
-                )
-        words = state["key"]
-        try:
-            new_key = RngKey((int(words[0]), int(words[1])))
-        except (TypeError, IndexError, ValueError) as exc:
-            raise InputValueError(f"{name}.load_state_dict: invalid key {words!r}; expected [hi, lo].") from exc
-        next_step = _check_count(state["next_step"], "next_step", f"{name}.load_state_dict", minimum=0)
-        if next_step > self.n_steps:
-            raise InputValueError(
-                f"{name}.load_state_dict: next_step={next_step} is beyond n_steps={self.n_steps}."
-            )
-        self.key = new_key
-        self._next_step = next_step
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(dataset_size={self.dataset_size}, sample_rate={self.sample_rate}, "
-            f"n_steps={self.n_steps}, key={self.key!r}, next_step={self._next_step})"
-        )
-
-    def _step_key(self, step: int) -> RngKey:
-        step = _check_count(step, "step", f"{type(self).__name__}.batch", minimum=0)
-        if step >= self.n_steps:
-            raise InputValueError(
-                f"{type(self).__name__}.batch(step) needs 0 <= step < n_steps={self.n_steps}; got {step}."
-            )
-        return fold_in(self.key, step)
-
-    def _iterate(self) -> Iterator[list[int]]:
-        while self._next_step < self.n_steps:
-            step = self._next_step
-            out = self.batch(step)
-            # Advance before yielding: once the caller holds batch t, the state says t + 1.
-            self._next_step = step + 1
-            yield out
+        return poisson_indices(self.step_key(step), self.dataset_size, self.sample_rate).tolist()
 
 
 class TruncatedPoissonSampler(PoissonSampler):
@@ -251,20 +152,22 @@ class TruncatedPoissonSampler(PoissonSampler):
         [10, 10, 10]
     """
 
+    config_fields = (*PoissonSampler.config_fields, "max_batch_size")
+
     @typechecked
     def __init__(
         self, dataset: Any, *, sample_rate: Real, n_steps: SupportsIndex, key: RngKey, max_batch_size: SupportsIndex
     ) -> None:
         super().__init__(dataset, sample_rate=sample_rate, n_steps=n_steps, key=key)
-        self.max_batch_size: int = _check_count(max_batch_size, "max_batch_size", type(self).__name__, minimum=1)
+        self.max_batch_size: int = check.integer(max_batch_size, "max_batch_size", type(self).__name__, minimum=1)
 
     def batch(self, step: int) -> list[int]:
         """The sorted indices of step ``step``'s truncated batch (pure).
 
         Privacy: see the class; account with ``truncated_poisson``.
         """
-        step_key = self._step_key(step)
-        idx = _poisson_indices(step_key, self.dataset_size, self.sample_rate)
+        step_key = self.step_key(step)
+        idx = poisson_indices(step_key, self.dataset_size, self.sample_rate)
         if idx.numel() > self.max_batch_size:
             # A uniformly random subset: sort by 63 random bits (ties are ~n^2 / 2**63 likely).
             words = bits(fold_in(step_key, _TRUNCATION_STREAM), (idx.numel(), 2))
@@ -273,15 +176,8 @@ class TruncatedPoissonSampler(PoissonSampler):
             idx = torch.sort(idx[keep]).values
         return idx.tolist()
 
-    def state_dict(self) -> dict[str, Any]:
-        """As :meth:`PoissonSampler.state_dict`, plus ``max_batch_size``."""
-        return {**super().state_dict(), "max_batch_size": self.max_batch_size}
 
-    def __repr__(self) -> str:
-        return super().__repr__()[:-1] + f", max_batch_size={self.max_batch_size})"
-
-
-class SequentialBatchSampler(Sampler[list[int]]):
+class SequentialBatchSampler(StepSampler):
     """In-order batches ``[0, B), [B, 2B), ...`` for evaluation and non-private baselines.
 
     Args:
@@ -311,176 +207,29 @@ class SequentialBatchSampler(Sampler[list[int]]):
     """
 
     sample_rate: float = 1.0
+    config_fields = ("batch_size", "n_steps", "dataset_size", "drop_last")
+    wraps = True
 
     @typechecked
     def __init__(
         self, dataset: Any, *, batch_size: SupportsIndex, n_steps: SupportsIndex | None = None, drop_last: bool = False
     ) -> None:
         name = type(self).__name__
-        self.dataset_size: int = _dataset_size(dataset, name)
-        self.batch_size: int = _check_count(batch_size, "batch_size", name, minimum=1)
-        if not isinstance(drop_last, bool):
-            raise InputTypeError(f"{name} needs drop_last to be a bool; got {type(drop_last).__name__}.")
-        self.drop_last = drop_last
-        if drop_last:
-            self.steps_per_pass = self.dataset_size // self.batch_size
-        else:
-            self.steps_per_pass = -(-self.dataset_size // self.batch_size)
+        n = dataset_length(dataset, name)
+        self.batch_size: int = check.integer(batch_size, "batch_size", name, minimum=1)
+        self.drop_last: bool = check.flag(drop_last, "drop_last", name)
+        self.steps_per_pass: int = n // self.batch_size if drop_last else -(-n // self.batch_size)
         if self.steps_per_pass == 0:
             raise InputValueError(
-                f"{name} has no batches: dataset_size={self.dataset_size}, batch_size={self.batch_size}, "
+                f"{name} has no batches: dataset_size={n}, batch_size={self.batch_size}, "
                 f"drop_last={drop_last}. Use a smaller batch_size or drop_last=False."
             )
-        if n_steps is None:
-            self.n_steps = self.steps_per_pass
-        else:
-            self.n_steps = _check_count(n_steps, "n_steps", name, minimum=1)
-        self._next_step = 0
-
-    @property
-    def next_step(self) -> int:
-        """The step whose batch the next ``next()`` yields."""
-        return self._next_step
-
-    def __len__(self) -> int:
-        return self.n_steps
-
-    def __iter__(self) -> Iterator[list[int]]:
-        while self._next_step < self.n_steps:
-            step = self._next_step
-            out = self.batch(step)
-            self._next_step = step + 1 if step + 1 < self.n_steps else 0
-            yield out
-            if self._next_step == 0:
-                return
+        super().__init__(n, self.steps_per_pass if n_steps is None else n_steps)
 
     def batch(self, step: int) -> list[int]:
         """The indices of step ``step``'s batch.
 
         Privacy: data-independent; no amplification.
         """
-        step = _check_count(step, "step", f"{type(self).__name__}.batch", minimum=0)
-        if step >= self.n_steps:
-            raise InputValueError(
-                f"{type(self).__name__}.batch(step) needs 0 <= step < n_steps={self.n_steps}; got {step}."
-            )
-        start = (step % self.steps_per_pass) * self.batch_size
+        start = (self.checked_step(step) % self.steps_per_pass) * self.batch_size
         return list(range(start, min(start + self.batch_size, self.dataset_size)))
-
-    def state_dict(self) -> dict[str, Any]:
-        """The next step and the configuration (plain Python values)."""
-        return {
-            "next_step": self._next_step,
-            "batch_size": self.batch_size,
-            "n_steps": self.n_steps,
-            "dataset_size": self.dataset_size,
-            "drop_last": self.drop_last,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores the next step saved by :meth:`state_dict` (the configuration must match)."""
-        name = type(self).__name__
-        if not isinstance(state, Mapping):
-            raise InputTypeError(f"{name}.load_state_dict needs the dict from state_dict(); got {type(state).__name__}.")
-        expected = self.state_dict()
-        for field in expected:
-            if field not in state:
-                raise InputValueError(f"{name}.load_state_dict: the state lacks {field!r}.")
-            if field != "next_step" and state[field] != expected[field]:
-                raise InputValueError(
-                    f"{name}.load_state_dict: the saved {field}={state[field]!r} differs from this sampler's "
-                    f"{expected[field]!r}; build the sampler with the saved configuration."
-                )
-        next_step = _check_count(state["next_step"], "next_step", f"{name}.load_state_dict", minimum=0)
-        if next_step >= self.n_steps:
-            raise InputValueError(f"{name}.load_state_dict: next_step={next_step} must be below n_steps={self.n_steps}.")
-        self._next_step = next_step
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(dataset_size={self.dataset_size}, batch_size={self.batch_size}, "
-            f"n_steps={self.n_steps}, drop_last={self.drop_last}, next_step={self._next_step})"
-        )
-
-
-# --- private helpers ---------------------------------------------------------------
-
-
-def _poisson_indices(k: RngKey, n: int, q: float) -> torch.Tensor:
-    """Sorted int64 indices in ``[0, n)``, each included independently with probability ``q``.
-
-    ``k`` is the step key.
-
-    Walks the index range with i.i.d. Geometric(q) gaps (the failures before each
-    success of Bernoulli(q) trials). Gaps come in chunks; chunk ``c`` uses
-    ``fold_in(k, c)``, and chunk sizes depend only on ``(n, q)``, so the result is a
-    function of ``(k, n, q)``.
-    """
-    if n == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    if q >= 1.0:
-        return torch.arange(n, dtype=torch.int64)
-    log1m_q = math.log1p(-q)
-    mean = q * n
-    chunk = int(mean + 8.0 * math.sqrt(mean) + 16)
-    found: list[torch.Tensor] = []
-    start = 0  # the first index not yet decided
-    c = 0
-    while start < n:
-        words = bits(fold_in(k, c), (chunk, 2))
-        # A 53-bit uniform in (0, 1]: P(u <= x) = floor(x * 2**53) / 2**53.
-        u = ((words[:, 0] >> 5) * 67108864 + (words[:, 1] >> 6) + 1).double() / 9007199254740992.0
-        # P(gap >= g) = P(u <= (1 - q)**g) = (1 - q)**g; clamp so that cumsum cannot overflow.
-        gaps = torch.floor(torch.log(u) / log1m_q).clamp(max=n).to(torch.int64)
-        positions = start + torch.cumsum(gaps + 1, 0) - 1
-        found.append(positions[positions < n])
-        start = int(positions[-1]) + 1
-        c += 1
-    return torch.cat(found)
-
-
-def _dataset_size(dataset: Any, where: str) -> int:
-    if isinstance(dataset, bool):
-        raise InputTypeError(f"{where} needs a dataset (anything with __len__) or its length as an int; got a bool.")
-    if isinstance(dataset, Integral):
-        n = int(dataset)
-    else:
-        try:
-            n = len(dataset)
-        except TypeError as exc:
-            raise InputTypeError(
-                f"{where} needs a dataset with __len__ or its length as an int; got {type(dataset).__name__}, "
-                "which has no length. Pass len(dataset) (an int) if you know it."
-            ) from exc
-    if n < 0:
-        raise InputValueError(f"{where} needs a dataset length >= 0; got {n}.")
-    return n
-
-
-def _check_sample_rate(q: Any, where: str) -> float:
-    if isinstance(q, bool) or not isinstance(q, Real):
-        raise InputTypeError(
-            f"{where} needs sample_rate to be a float in (0, 1]; got {type(q).__name__}. "
-            "It is the probability each example is in a batch: use batch_size / len(dataset)."
-        )
-    q = float(q)
-    if not (0.0 < q <= 1.0):
-        raise InputValueError(
-            f"sample_rate must be in (0, 1]; got {q:g}. It is the probability each example is in a batch: "
-            "use batch_size / len(dataset)."
-        )
-    return q
-
-
-def _check_count(value: Any, name: str, where: str, *, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise InputTypeError(f"{where} needs {name} to be an int; got the bool {value!r}.")
-    if not isinstance(value, Integral):
-        try:
-            value = operator.index(value)  # 0-dim integer tensors
-        except TypeError:
-            raise InputTypeError(f"{where} needs {name} to be an int; got {type(value).__name__} {value!r}.") from None
-    value = int(value)
-    if value < minimum:
-        raise InputValueError(f"{where} needs {name} >= {minimum}; got {value}.")
-    return value
