@@ -32,7 +32,7 @@ _EXPORTS = {
     **{n: "opake_fx.auditing.canaries" for n in ("CoinFlip", "coin_flip", "CanarySampler", "DiracCanaries",
                                                  "dirac_canaries", "mislabel", "out_of_distribution")},
     **{n: "opake_fx.auditing.scores" for n in ("CanaryScores", "canary_scores", "loss_scores", "gradient_scores")},
-    **{n: "opake_fx.auditing.one_run" for n in ("OneRunEstimate", "GdpFit", "AucEstimate", "one_run",
+    **{n: "opake_fx.auditing.single_run" for n in ("OneRunEstimate", "GdpFit", "AucEstimate", "one_run",
                                                 "default_guess_grid")},
     "CanaryScoreAuditor": "opake_fx.auditing.two_sample",
     "AuditResult": "opake_fx.auditing.dpsgd",
@@ -40,14 +40,14 @@ _EXPORTS = {
     "perfect_attack_ceiling": "opake_fx.auditing.ceiling",
     "plot_audit": "opake_fx.auditing.plot",
 }
-_SUBMODULES = frozenset({"bounds", "canaries", "scores", "one_run", "two_sample", "dpsgd", "ceiling", "plot"})
+_SUBMODULES = frozenset({"bounds", "canaries", "scores", "single_run", "two_sample", "dpsgd", "ceiling", "plot"})
 
 if _TYPE_CHECKING:  # static analysers see the eager imports
     from opake_fx.auditing.canaries import (CanarySampler, CoinFlip, DiracCanaries, coin_flip, dirac_canaries,
                                             mislabel, out_of_distribution)
     from opake_fx.auditing.ceiling import perfect_attack_ceiling
     from opake_fx.auditing.dpsgd import AuditResult, audit_dpsgd
-    from opake_fx.auditing.one_run import AucEstimate, GdpFit, OneRunEstimate, default_guess_grid, one_run
+    from opake_fx.auditing.single_run import AucEstimate, GdpFit, OneRunEstimate, default_guess_grid, one_run
     from opake_fx.auditing.plot import plot_audit
     from opake_fx.auditing.scores import CanaryScores, canary_scores, gradient_scores, loss_scores
     from opake_fx.auditing.two_sample import CanaryScoreAuditor

@@ -31,7 +31,7 @@ def perfect_attack_ceiling(num_canaries: int, *, significance: float = 0.05, del
         :meth:`CanaryScoreAuditor.epsilon_from_gdp`, with their default threshold or
         guess choices and the same significance.
     """
-    from opake_fx.auditing.one_run import OneRunEstimate
+    from opake_fx.auditing.single_run import OneRunEstimate
     from opake_fx.auditing.two_sample import CanaryScoreAuditor
 
     if not isinstance(num_canaries, (int, np.integer)) or num_canaries < 2:

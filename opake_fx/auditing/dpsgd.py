@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from opake_fx.auditing.canaries import CoinFlip, DiracCanaries, coin_flip, dirac_canaries
-from opake_fx.auditing.one_run import OneRunEstimate, one_run
+from opake_fx.auditing.single_run import OneRunEstimate, one_run
 from opake_fx.auditing.scores import canary_scores
 from opake_fx.auditing.two_sample import CanaryScoreAuditor
 from opake_fx.errors import InputTypeError, InputValueError

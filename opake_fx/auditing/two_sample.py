@@ -11,7 +11,7 @@ the canaries and the bound computed on the other (``threshold="split"``).
 The rates are binomial when the canaries' scores are independent given their
 membership (separate training runs, or Dirac canaries on distinct coordinates of a
 noisy sum). For canaries of one run whose scores share the model, use the one-run
-bounds (:meth:`epsilon_one_run`, or :func:`~opake_fx.auditing.one_run`), which need
+bounds (:meth:`epsilon_one_run`, or :func:`~opake_fx.auditing.single_run`), which need
 only the coin flips.
 
 Example:
@@ -34,7 +34,7 @@ import scipy.special
 import scipy.stats
 
 from opake_fx.auditing import bounds
-from opake_fx.auditing.one_run import _numpy_rng, auroc
+from opake_fx.auditing.single_run import _numpy_rng, auroc
 from opake_fx.errors import InputValueError
 
 __all__ = ["CanaryScoreAuditor"]
@@ -195,7 +195,7 @@ class CanaryScoreAuditor:
         return max(0.0, float(eps[i])), float(ts[i])
 
     def _estimate(self) -> Any:
-        from opake_fx.auditing.one_run import OneRunEstimate
+        from opake_fx.auditing.single_run import OneRunEstimate
 
         m = self.n_in + self.n_out
         return OneRunEstimate(scores=np.concatenate([self.in_scores, self.out_scores]),
@@ -226,7 +226,7 @@ class CanaryScoreAuditor:
 
 
 def _top_grid(m: int) -> list[tuple[int, int]]:
-    from opake_fx.auditing.one_run import default_guess_grid
+    from opake_fx.auditing.single_run import default_guess_grid
 
     return [(kp, km) for kp, km in default_guess_grid(m) if km == 0]
 
