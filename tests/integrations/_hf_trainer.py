@@ -1,0 +1,90 @@
+"""Tiny Hugging Face models and data sets for the DPTrainer tests (configs only, nothing downloaded)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Any
+
+import torch
+
+import transformers
+import peft
+
+VOCAB, T = 32, 10
+
+
+def gpt2(n_embd: int = 16) -> torch.nn.Module:
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=n_embd, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def gpt2_lora(seed: int = 0, n_embd: int = 16) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True,
+                           lora_dropout=0.0)
+    model = peft.get_peft_model(gpt2(n_embd), lora)
+    with torch.no_grad():  # LoRA's B starts at zero: make the adapters nonzero so they matter from step 1
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.02)
+    return model
+
+
+def llama(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def bert(seed: int = 0, num_labels: int = 2) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=T, num_labels=num_labels,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def counting_lm_data(n: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    """Sequences ``s, s+1, s+2, ... (mod VOCAB)``: learnable from one token of context."""
+    g = torch.Generator().manual_seed(seed)
+    ids = (torch.randint(0, VOCAB, (n, 1), generator=g) + torch.arange(T)) % VOCAB
+    return [{"input_ids": r, "labels": r.clone()} for r in ids]
+
+
+def padded_lm_data(n: int, seed: int = 2) -> list[dict[str, torch.Tensor]]:
+    """Right-padded sequences of random lengths, labels -100 on the padding."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(T // 2, T + 1, (1,), generator=g))
+        ids = torch.zeros(T, dtype=torch.int64)
+        ids[:length] = torch.randint(1, VOCAB, (length,), generator=g)
+        mask = (torch.arange(T) < length).long()
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def classification_data(n: int, seed: int = 3) -> list[dict[str, torch.Tensor]]:
+    """Label 1 iff token 1 appears in the sequence."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (n, T), generator=g)
+    labels = torch.randint(0, 2, (n,), generator=g)
+    ids[labels == 1, 3] = 1
+    return [{"input_ids": i, "labels": y} for i, y in zip(ids, labels)]
+
+
+def quiet_train(trainer: Any, **kwargs: Any) -> Any:
+    """``trainer.train(**kwargs)`` without Hugging Face's printed logs."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return trainer.train(**kwargs)
+
+
+def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+COMMON = dict(report_to="none", disable_tqdm=True, save_strategy="no", use_cpu=True, dataloader_num_workers=0)
