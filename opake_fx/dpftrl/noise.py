@@ -8,8 +8,19 @@ Row ``t`` of ``C^{-1} Z`` comes from the strategy's streaming inverse
 state, never the whole ``Z``. With the same key every rank adds bit-identical noise,
 and a checkpointed state resumes the exact noise sequence.
 
-With the identity strategy the noise equals :func:`opake_fx.dpsgd.noise.gaussian_noise`
-with the same key, step for step.
+One Gaussian mechanism: with the identity strategy each step IS
+:func:`opake_fx.dpsgd.noise.add_gaussian_noise` (the draw and add that
+:func:`~opake_fx.dpsgd.noise.gaussian_noise` uses), so the output is bit-identical to
+DP-SGD's noise with the same key, step for step; other strategies feed the same
+``leaf + std * x`` with correlated draws ``x``.
+
+The private second moment: a :class:`~opake_fx.types.SecondMomentClippingOutput` input
+is released as one Gaussian mechanism over both streams, as in DP-SGD (see
+:mod:`opake_fx.dpsgd.noise`): the squared stream gets its own correlated noise through
+the same strategy, from the key :func:`~opake_fx.dpsgd.noise.squared_stream_key`, and the
+stddevs are split so that the whitened pair has noise multiplier ``noise_multiplier``
+over the strategy's sensitivity: ``s_k = z * sens * D_k / sqrt(share_k)``. The
+accounting is that of the gradient alone (``mf_gaussian``), charged once.
 
 Momentum and learning-rate schedules: this stage only noises gradients. Run any
 optimizer after it; to make the strategy *aware* of the optimizer, optimise it for
@@ -28,12 +39,22 @@ import torch
 
 from opake_fx._noise_input import check_clipped_input, check_noise_multiplier, check_noise_state
 from opake_fx.dpftrl.strategies._base import Strategy
+from opake_fx.dpftrl.strategies.banded import IdentityStrategy
+from opake_fx.dpsgd.noise import (
+    DEFAULT_SECOND_MOMENT_SHARE,
+    add_gaussian_noise,
+    check_pair_input,
+    check_pair_step,
+    check_second_moment_share,
+    second_moment_stddevs,
+    squared_stream_key,
+)
 from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError, OperationError
 from opake_fx.pytree import tree_flatten_with_paths
 from opake_fx.random import RngKey, flat_tree_normal, fold_in, tree_normal
 from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.transforms import Transform
-from opake_fx.types import ClippedPytree, NoisedPytree
+from opake_fx.types import ClippedPytree, NoisedPytree, SecondMomentClippingOutput, SecondMomentNoiseOutput
 from opake_fx.distributed.agreement import AgreementCheck
 from opake_fx.typing import typechecked
 
@@ -52,12 +73,17 @@ class MfNoiseState:
             for memory-free strategies).
         max_norm: the sensitivity of the clipped gradients seen at step 0; every later
             step must have the same (correlated noise is calibrated once for the run).
+        squared_buffers: the squared-gradient stream's buffers (private second moment).
+        squared_max_norm: the squared stream's sensitivity seen at step 0 (``None`` for a
+            run without the second moment; a run cannot switch between the two).
     """
 
     key: RngKey
     step: int = 0
     buffers: tuple[torch.Tensor, ...] = ()
     max_norm: float | None = None
+    squared_buffers: tuple[torch.Tensor, ...] = ()
+    squared_max_norm: float | None = None
 
     def __post_init__(self) -> None:
         # Step s draws z_s from fold_in(key, s); a negative step would alias another step's draw.
@@ -66,7 +92,7 @@ class MfNoiseState:
     @property
     def memory_bytes(self) -> int:
         """Bytes held in the streaming buffers."""
-        return sum(b.numel() * b.element_size() for b in self.buffers)
+        return sum(b.numel() * b.element_size() for b in self.buffers + self.squared_buffers)
 
 
 @typechecked
@@ -82,7 +108,8 @@ def mf_gaussian_noise(
     buffer_dtype: torch.dtype | None = None,
     inplace: bool = False,
     exact: bool = False,
-) -> tuple[Callable[[ClippedPytree, MfNoiseState], tuple[NoisedPytree, MfNoiseState]], MfNoiseState]:
+    second_moment_share: float = DEFAULT_SECOND_MOMENT_SHARE,
+) -> tuple[Callable[[Any, MfNoiseState], tuple[Any, MfNoiseState]], MfNoiseState]:
     """Makes the DP-FTRL (matrix-factorisation) Gaussian mechanism for clipped gradients.
 
     ``noise_fn(clipped, state)`` returns ``clipped + std * (C^{-1} Z)_t`` as a
@@ -107,11 +134,15 @@ def mf_gaussian_noise(
         inplace: update the buffers in place (halves peak memory; the previous state
             becomes invalid).
         exact: draw JAX-identical Threefry normals (slow; tests).
+        second_moment_share: for a ``SecondMomentClippingOutput`` input, the share in
+            ``(0, 1)`` of the budget given to the squared stream (module docstring).
 
     Privacy:
         The whole run releases ``C x + z`` with ``z ~ N(0, std^2)``: the Gaussian
         mechanism with noise multiplier ``noise_multiplier`` on a query of sensitivity
-        ``sensitivity * max_norm`` under the stated participation. Account for it with
+        ``sensitivity * max_norm`` under the stated participation (with the second
+        moment: on the concatenated pair, whose whitened sensitivity the split makes
+        exactly that; charge it once). Account for it with
         :func:`opake_fx.dpftrl.accounting.mf_gaussian` (same ``min_sep``,
         ``max_participations``, ``epochs``), or with ``accounting.poisson`` for banded
         strategies under cyclic Poisson sampling. Refuses anything that is not a
@@ -141,7 +172,9 @@ def mf_gaussian_noise(
             "every rank so all ranks add identical noise."
         )
     horizon, sens = _horizon_and_sensitivity(strategy, min_sep, max_participations, epochs, n_steps)
+    share = check_second_moment_share(second_moment_share)
     inverse = strategy.inverse_noise()
+    independent = isinstance(strategy, IdentityStrategy)  # C = I: DP-SGD's Gaussian mechanism, step by step
     row_norms: list[torch.Tensor] = []
     ranks_agree = AgreementCheck(
         "mf_gaussian_noise",
@@ -153,38 +186,66 @@ def mf_gaussian_noise(
         ),
     )
 
-    def noise_fn(clipped: ClippedPytree, state: MfNoiseState) -> tuple[NoisedPytree, MfNoiseState]:
-        check_clipped_input(clipped, noise_multiplier, mechanism="mf_gaussian_noise")
+    def noise_fn(clipped: Any, state: MfNoiseState) -> tuple[Any, MfNoiseState]:
+        pair = isinstance(clipped, SecondMomentClippingOutput)
+        if pair:
+            check_pair_input(clipped, noise_multiplier, mechanism="mf_gaussian_noise")
+        else:
+            check_clipped_input(clipped, noise_multiplier, mechanism="mf_gaussian_noise")
         if not isinstance(state, MfNoiseState):
             raise InputTypeError(f"noise_fn needs the MfNoiseState it returned; got {type(state).__name__}.")
-        ranks_agree(
-            [
-                ("key", state.key),
-                ("step", state.step),
-                ("noise_multiplier", float(noise_multiplier)),
-                ("sensitivity", float(sens)),
-                ("n_steps", int(horizon)),
-                ("max_norm", clipped.max_norm),
-            ]
-        )
+        first = clipped.grads if pair else clipped
+        facts = [
+            ("key", state.key),
+            ("step", state.step),
+            ("noise_multiplier", float(noise_multiplier)),
+            ("sensitivity", float(sens)),
+            ("n_steps", int(horizon)),
+            ("max_norm", first.max_norm),
+        ]
+        if pair:
+            facts += [("squared_max_norm", clipped.squared_grads.max_norm), ("second_moment_share", share)]
+        ranks_agree(facts)
         t = state.step
         if t >= horizon:
             raise OperationError(
                 f"mf_gaussian_noise: step {t} is beyond the strategy's n_steps={horizon}. The sensitivity and the "
                 "accounting cover n_steps steps only; build a strategy for the longer run."
             )
-        mn = clipped.sensitivity
-        if state.max_norm is not None and not math.isclose(mn, state.max_norm, rel_tol=1e-12, abs_tol=0.0):
+        mn = _same_as_before(first.sensitivity, state.max_norm, t, "max_norm")
+        mn2 = None
+        if state.max_norm is not None and (state.squared_max_norm is not None) != pair:
             raise NoiseInputError(
-                f"mf_gaussian_noise: max_norm changed from {state.max_norm} (step 0) to {mn} at step {t}. Correlated "
-                "noise is calibrated once for the whole run: keep clipping_norm and normalize_by constant."
+                f"mf_gaussian_noise: step {t} {'adds' if pair else 'drops'} the squared-gradient stream, but step 0 "
+                f"{'did not have' if pair else 'had'} it. Correlated noise is calibrated once for the whole run: "
+                "clip with second_moment=True at every step or at none."
             )
-        std = noise_multiplier * sens * mn
-        if noise_multiplier == 0.0:
-            return NoisedPytree(clipped.pytree, clipped.max_norm, noise_stddev=0.0), replace(state, step=t + 1, max_norm=mn)
-        paths, leaves, spec = tree_flatten_with_paths(clipped.pytree)
+        if pair:
+            check_pair_step(t)
+            mn2 = _same_as_before(clipped.squared_grads.sensitivity, state.squared_max_norm, t, "squared max_norm")
+            std, std2 = second_moment_stddevs(noise_multiplier, sens * mn, sens * mn2, share)
+        else:
+            std, std2 = (noise_multiplier * sens * mn if noise_multiplier > 0 else 0.0), 0.0  # 0 * inf (unclipped) is 0
+        if not row_norms:
+            row_norms.append(strategy.inverse_row_norms(horizon))
+        row = float(row_norms[0][t])
+        noised, buffers = _stream(first.pytree, state.key, state.buffers, t, std)
+        out = NoisedPytree(noised, first.max_norm, noise_stddev=std * row)
+        squared_buffers = state.squared_buffers
+        if pair:
+            second = clipped.squared_grads
+            noised2, squared_buffers = _stream(second.pytree, squared_stream_key(state.key), state.squared_buffers, t, std2)
+            out = SecondMomentNoiseOutput(out, NoisedPytree(noised2, second.max_norm, noise_stddev=std2 * row))
+        return out, MfNoiseState(state.key, t + 1, buffers, mn, squared_buffers, mn2)
+
+    def _stream(pytree: Any, key: RngKey, buffers: tuple[torch.Tensor, ...], t: int, std: float) -> tuple[Any, tuple[torch.Tensor, ...]]:
+        """One stream's step ``t``: ``pytree + std * (C^{-1} Z)_t`` with ``Z``'s rows drawn from ``fold_in(key, s)``."""
+        if std == 0.0:
+            return pytree, buffers
+        paths, leaves, spec = tree_flatten_with_paths(pytree)
+        if independent:
+            return spec.unflatten(add_gaussian_noise(leaves, fold_in(key, t), std, exact=exact)), buffers
         like = _shapes_like(leaves, buffer_dtype)
-        buffers = state.buffers
         if inverse.memory > 0 and not buffers:
             if t > 0:
                 raise OperationError(
@@ -194,15 +255,11 @@ def mf_gaussian_noise(
 
         def draw(s: int) -> list[torch.Tensor]:
             if exact:
-                return list(tree_normal(fold_in(state.key, s), like, exact=True))
-            return flat_tree_normal(fold_in(state.key, s), like)[0]  # one generator per device/dtype
+                return list(tree_normal(fold_in(key, s), like, exact=True))
+            return flat_tree_normal(fold_in(key, s), like)[0]  # one generator per device/dtype
 
         x, new_buffers = inverse.next(t, draw, buffers, inplace=inplace)
-        noised = spec.unflatten([leaf + (std * xi).to(leaf.dtype) for leaf, xi in zip(leaves, x)])
-        if not row_norms:
-            row_norms.append(strategy.inverse_row_norms(horizon))
-        marginal = std * float(row_norms[0][t])
-        return NoisedPytree(noised, clipped.max_norm, noise_stddev=marginal), MfNoiseState(state.key, t + 1, new_buffers, mn)
+        return spec.unflatten([leaf + (std * xi).to(leaf.dtype) for leaf, xi in zip(leaves, x)]), new_buffers
 
     noise_fn.sensitivity = sens  # type: ignore[attr-defined]  # read by the chain stage's privacy description
     return noise_fn, MfNoiseState(key=key)
@@ -219,10 +276,12 @@ def noise(
     epochs: int | None = None,
     n_steps: int | None = None,
     buffer_dtype: torch.dtype | None = None,
+    second_moment_share: float = DEFAULT_SECOND_MOMENT_SHARE,
 ) -> Transform:
     """:func:`mf_gaussian_noise` as a chain stage (``ClippedPytree`` in, ``NoisedPytree`` out).
 
-    ``init(params)`` allocates the streaming buffers shaped like ``params``.
+    ``init(params)`` allocates the streaming buffers shaped like ``params`` (those of the
+    squared stream, after a clip stage with ``second_moment=True``, on the first step).
 
     Privacy: as :func:`mf_gaussian_noise`.
 
@@ -244,6 +303,7 @@ def noise(
         epochs=epochs,
         n_steps=n_steps,
         buffer_dtype=buffer_dtype,
+        second_moment_share=second_moment_share,
     )
     inverse = strategy.inverse_noise()
 
@@ -253,7 +313,7 @@ def noise(
         _, leaves, _ = tree_flatten_with_paths(params)
         return replace(state0, buffers=inverse.init(_shapes_like(leaves, buffer_dtype)))
 
-    def update(x: Any, state: MfNoiseState, params: Any = None, **extra: Any) -> tuple[NoisedPytree, MfNoiseState]:
+    def update(x: Any, state: MfNoiseState, params: Any = None, **extra: Any) -> tuple[Any, MfNoiseState]:
         return noise_fn(x, state)
 
     sens = noise_fn.sensitivity  # type: ignore[attr-defined]
@@ -265,6 +325,16 @@ def noise(
         noise_sensitivity=sens,
     )
     return Transform(init, update, described)
+
+
+def _same_as_before(value: float, before: float | None, t: int, what: str) -> float:
+    """``value``, unless it differs from the one seen at step 0 (correlated noise is calibrated once)."""
+    if before is not None and not math.isclose(value, before, rel_tol=1e-12, abs_tol=0.0):
+        raise NoiseInputError(
+            f"mf_gaussian_noise: {what} changed from {before} (step 0) to {value} at step {t}. Correlated "
+            "noise is calibrated once for the whole run: keep clipping_norm and normalize_by constant."
+        )
+    return value
 
 
 def _horizon_and_sensitivity(
