@@ -22,6 +22,13 @@ Adam's second moment, so ``sqrt(v_hat)`` is dominated by noise and DP-Adam behav
 DP-SGD with a rescaled learning rate. ``adam(..., dp_bias_correction=...)`` subtracts
 ``Phi`` and divides by ``sqrt(max(v_hat - Phi, gamma))`` instead of ``sqrt(v_hat) + eps``.
 
+The private second moment (the alternative to bias correction): ``clipped_grad(...,
+second_moment=True)`` also releases the clipped per-example squared gradients, and the
+noise stage noises both streams under one budget (a
+:class:`~opake_fx.types.SecondMomentNoiseOutput`). Given that pair, :func:`adam` and
+:func:`adamw` feed ``v`` with the noised squared stream instead of the square of the
+noised gradient, whose ``noise_stddev**2`` floor it never sees; see :func:`adam`.
+
 Privacy: optimizers are post-processing of their input: applied to a ``NoisedPytree``
 they change no guarantee. They add no privacy either: applied to a plain gradient the
 result is not private, and a ``ClippedPytree`` that was never noised is refused
@@ -54,7 +61,13 @@ from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths, zeros_like
 from opake_fx.transforms import Transform, unwrap
 from opake_fx.pipeline_privacy import StagePrivacy
-from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup
+from opake_fx.types import (
+    ClippedPytree,
+    NoisedPytree,
+    PerGroup,
+    SecondMomentClippingOutput,
+    SecondMomentNoiseOutput,
+)
 from opake_fx.typing import typechecked
 
 __all__ = ["SgdState", "AdamState", "sgd", "adam", "adamw"]
@@ -192,11 +205,26 @@ def adam(
               passes plain tensors). If the gradient is a ``NoisedPytree`` whose
               ``noise_stddev**2`` differs, an error is raised.
         dp_bias_correction_gamma: the floor ``gamma`` (``gamma'`` in the paper) of the
-            corrected second moment; it bounds the per-coordinate step by
+            corrected (or private) second moment; it bounds the per-coordinate step by
             ``lr * |m_hat| / sqrt(gamma)``, so tune it with the learning rate.
 
+    The private second moment: when ``grads`` is a
+    :class:`~opake_fx.types.SecondMomentNoiseOutput` (``clipped_grad(...,
+    second_moment=True)`` then the noise stage), ``m`` is fed with the noised gradient
+    ``noisy_grads`` and ``v`` with the noised clipped squared gradients
+    ``noisy_squared_grads`` (an unbiased estimate of the mean per-example squared
+    gradient, so no noise variance to subtract), and
+    ``updates = -lr * m_hat / sqrt(max(v_hat, gamma))`` (the noised squares can be
+    negative; ``gamma = dp_bias_correction_gamma``). With coupled ``weight_decay`` the
+    squares are those of ``g + weight_decay * params``:
+    ``s + 2 * weight_decay * params * g + (weight_decay * params)**2``. It is an
+    alternative to ``dp_bias_correction`` (both together would correct twice: refused).
+    Note that ``v`` then tracks the mean per-example ``g_i**2``, not the square of the
+    batch mean, so the learning rate wants retuning.
+
     Privacy: post-processing of the gradient it is given. Bias correction uses only
-    ``noise_stddev``, a public parameter of the mechanism, so it changes no guarantee.
+    ``noise_stddev``, a public parameter of the mechanism, so it changes no guarantee;
+    the private second moment uses a stream already released under the same budget.
 
     Example:
         >>> import torch
@@ -268,6 +296,8 @@ def _adam(
                 f"got {dp_bias_correction!r}."
             )
         dp_bias_correction = _nonneg(dp_bias_correction, name, "dp_bias_correction")
+    # The floor of a private second moment, whose noised squares can be <= 0.
+    gamma_floor = gamma if gamma > 0 else 1e-8
     if dp_bias_correction is not None and gamma == 0.0:
         raise InputValueError(
             f"{name} with dp_bias_correction needs dp_bias_correction_gamma > 0 (the floor of the "
@@ -282,24 +312,45 @@ def _adam(
     def update(grads: Any, state: AdamState, params: Any = None, **extra: Any) -> tuple[Any, AdamState]:
         _check_state(state, AdamState, name)
         lr = _lr_at(learning_rate, state.count, name)
+        squares = None  # the private second moment's noised squared gradients, leaf by leaf
+        if isinstance(grads, SecondMomentNoiseOutput):
+            if dp_bias_correction is not None:
+                raise InputValueError(
+                    f"{name}: got a SecondMomentNoiseOutput (a private second moment) and dp_bias_correction is set; "
+                    "they are alternative fixes of the same noise floor and together would correct it twice. Drop "
+                    "dp_bias_correction, or clip without second_moment=True."
+                )
+            squares, sq_spec, _ = _flatten(grads.noisy_squared_grads, name)
+            grads = grads.noisy_grads
         g_leaves, spec, paths = _flatten(grads, name)
+        if squares is not None and sq_spec != spec:
+            raise InputValueError(f"{name}: the squared-gradient stream's structure {sq_spec} differs from the gradient's {spec}.")
         phis = None if dp_bias_correction is None else _noise_variances(grads, paths, dp_bias_correction, name)
         p_leaves = None
         if weight_decay != 0.0:
             p_leaves = _param_leaves(params, spec, name, "weight_decay")
             if not decoupled:
+                if squares is not None:  # the squares of g + wd * p, from the two private streams
+                    squares = [
+                        s + 2.0 * weight_decay * p * g + (weight_decay * p) ** 2 for s, g, p in zip(squares, g_leaves, p_leaves)
+                    ]
                 g_leaves = [g + weight_decay * p for g, p in zip(g_leaves, p_leaves)]
         m_leaves = _state_leaves(state.mu, spec, name, "mu")
         v_leaves = _state_leaves(state.nu, spec, name, "nu")
         m_leaves = [b1 * m + (1.0 - b1) * g for m, g in zip(m_leaves, g_leaves)]
-        v_leaves = [b2 * v + (1.0 - b2) * (g * g) for v, g in zip(v_leaves, g_leaves)]
+        if squares is None:
+            v_leaves = [b2 * v + (1.0 - b2) * (g * g) for v, g in zip(v_leaves, g_leaves)]
+        else:
+            v_leaves = [b2 * v + (1.0 - b2) * sq.to(v.dtype) for v, sq in zip(v_leaves, squares)]
         t = state.count + 1
         bc1 = 1.0 - b1**t
         bc2 = 1.0 - b2**t
         step_size = lr / bc1
         out = []
         for i, (m, v) in enumerate(zip(m_leaves, v_leaves)):
-            if phis is None:
+            if squares is not None:
+                denom = torch.clamp(v / bc2, min=gamma_floor).sqrt()
+            elif phis is None:
                 # torch.optim.Adam's order of operations, so the numbers agree to rounding.
                 denom = v.sqrt() / math.sqrt(bc2) + eps
             else:
@@ -342,6 +393,16 @@ def _noise_variances(grads: Any, paths: list[Any], setting: Any, where: str) -> 
 
 
 def _flatten(grads: Any, where: str) -> tuple[list[torch.Tensor], Any, list[Any]]:
+    if isinstance(grads, SecondMomentClippingOutput):
+        raise InputTypeError(
+            f"{where} got a SecondMomentClippingOutput that was never noised: training on it would release the "
+            "clipped gradients and their squares without noise. Add the noise stage before the optimizer."
+        )
+    if isinstance(grads, SecondMomentNoiseOutput):
+        raise InputTypeError(
+            f"{where} has no second moment to feed from a SecondMomentNoiseOutput: the squared-gradient stream "
+            "would cost budget for nothing. Use adam or adamw, or clip without second_moment=True."
+        )
     if isinstance(grads, ClippedPytree) and not isinstance(grads, NoisedPytree):
         raise InputTypeError(
             f"{where} got a ClippedPytree that was never noised: training on it would release the clipped "
