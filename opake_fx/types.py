@@ -322,7 +322,22 @@ class NoisedPytree(ClippedPytree):
 
 @dataclass(frozen=True)
 class SecondMomentClippingOutput:
-    """Clipped gradients paired with clipped squared gradients (two DP streams)."""
+    """Clipped gradients paired with clipped squared gradients (two DP streams).
+
+    Made by ``clipped_grad(..., second_moment=True)``: ``grads`` is the usual clipped sum
+    (sensitivity ``C / normalize_by``), ``squared_grads`` the sum of the clipped
+    per-example gradients squared elementwise (sensitivity ``C**2 / normalize_by``: for a
+    clipped ``v``, ``||v * v||_2 <= ||v||_2**2 <= C**2``). One example moves both, so the
+    noise stages release the pair as ONE Gaussian mechanism (see
+    :mod:`opake_fx.dpsgd.noise`) and the accounting charges it once.
+
+    Example:
+        >>> import torch
+        >>> g = ClippedPytree((torch.ones(2),), max_norm=0.5)
+        >>> pair = SecondMomentClippingOutput(g, ClippedPytree((torch.ones(2),), max_norm=0.25))
+        >>> pair.squared_grads.max_norm
+        0.25
+    """
 
     grads: ClippedPytree
     squared_grads: ClippedPytree
@@ -336,7 +351,12 @@ class SecondMomentClippingOutput:
 
 @dataclass(frozen=True)
 class SecondMomentNoiseOutput:
-    """Noised gradients paired with noised squared gradients."""
+    """Noised gradients paired with noised squared gradients (the noise stages' output for a pair).
+
+    Each stream carries its own ``noise_stddev``; together they are one Gaussian release
+    with the stage's noise multiplier. ``adam``/``adamw`` feed ``v`` from
+    ``noisy_squared_grads``; other optimizers refuse the pair.
+    """
 
     noisy_grads: NoisedPytree
     noisy_squared_grads: NoisedPytree
