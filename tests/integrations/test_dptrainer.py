@@ -260,3 +260,18 @@ def test_plain_arguments_a_batch_averaged_loss_and_bad_models_are_refused(tmp_pa
 
         stream = Stream()
         DPTrainer(model=hf.gpt2(), args=args, train_dataset=stream).train()
+
+
+@pytest.mark.parametrize("backend", ["auto", "vmap"])
+def test_empty_poisson_batches_are_normal_steps(tmp_path, backend):
+    # expected batch 1 of 64: a third of the steps draw no example, and are noised and charged as any other
+    data = hf.padded_lm_data(64)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, max_steps=8, privacy_seed=0,
+                             privacy_noise_multiplier=1.0, privacy_accountant="rdp", clip_backend=backend, **hf.COMMON)
+    trainer = DPTrainer(model=hf.gpt2_lora(), args=args, train_dataset=data)
+    model = trainer.model
+    out = hf.quiet_train(trainer)
+    sizes = [len(trainer._dp["sampler"].batch(t)) for t in range(8)]
+    assert 0 in sizes and out.global_step == 8
+    assert out.metrics["privacy_epsilon"] == pytest.approx(trainer.privacy_plan.epsilon(8), rel=1e-3)
+    assert all(torch.isfinite(p).all() for p in hf.trainable(model).values())
