@@ -226,9 +226,9 @@ def mf_gaussian_noise(
             std, std2 = second_moment_stddevs(noise_multiplier, sens * mn, sens * mn2, share)
         else:
             std, std2 = (noise_multiplier * sens * mn if noise_multiplier > 0 else 0.0), 0.0  # 0 * inf (unclipped) is 0
-        if not row_norms:
+        if std > 0 and not row_norms:  # a noise_multiplier=0 baseline never needs them
             row_norms.append(strategy.inverse_row_norms(horizon))
-        row = float(row_norms[0][t])
+        row = float(row_norms[0][t]) if std > 0 else 0.0
         noised, buffers = _stream(first.pytree, state.key, state.buffers, t, std)
         out = NoisedPytree(noised, first.max_norm, noise_stddev=std * row)
         squared_buffers = state.squared_buffers
