@@ -114,3 +114,43 @@ def test_no_bracket_grid_meets_the_budget_and_matches_dp_accounting(q, steps, ep
     assert result.converged and budget.is_met_by(_process(result.param, q, steps))
     assert eps * (1 - 1e-3) <= result.achieved <= eps
     _assert_matches_oracle(result.param, q, steps, eps, delta)
+
+
+def _oracle_rdp_sigma(q: float, steps: int, eps: float, delta: float) -> float:
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    return dp_accounting.calibrate_dp_mechanism(
+        rdp_privacy_accountant.RdpAccountant,
+        lambda s: dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(s)), steps
+        ),
+        eps,
+        delta,
+        bracket_interval=dp_accounting.LowerEndpointAndGuess(0.05, 1.0),
+        tol=1e-7,
+    )
+
+
+def _assert_matches_rdp_calibration(q: float, steps: int, eps: float, delta: float) -> None:
+    # Where both calibrate with RDP, the two searches agree: dp_accounting's sigma (to 1e-7) is
+    # the root; ours is on its safe side (never below it beyond that tolerance) and within
+    # 1e-4 above it (our search stops within 1e-5 of the budget in epsilon).
+    budget = acc.epsilon_budget(eps, delta=delta, accountant="rdp")
+    ours = acc.calibrate(budget, lambda s: _process(s, q, steps), tolerance=1e-5)
+    theirs = _oracle_rdp_sigma(q, steps, eps, delta)
+    assert ours.converged and budget.is_met_by(_process(ours.param, q, steps))
+    assert theirs - 2e-7 <= ours.param <= theirs * (1 + 1e-4)
+
+
+def test_no_bracket_calibration_matches_dp_accountings_calibration_under_rdp():
+    _assert_matches_rdp_calibration(1e-2, 1000, 1.0, 1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("q", "steps", "eps", "delta"),
+    [(1e-5, 100_000, 0.1, 1e-10), (1e-2, 100_000, 0.1, 1e-10), (1e-3, 100_000, 8.0, 1e-5), (1e-2, 1000, 0.1, 1e-5)],
+)
+def test_no_bracket_grid_matches_dp_accountings_rdp_calibration(q, steps, eps, delta):
+    # measured: within 7e-6 of dp_accounting's sigma (0.58 to 190 on this grid)
+    _assert_matches_rdp_calibration(q, steps, eps, delta)
