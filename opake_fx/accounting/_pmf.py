@@ -25,7 +25,18 @@ from scipy import signal
 from opake_fx.accounting import _curves
 from opake_fx.errors import InputValueError
 
-__all__ = ["Pmf", "GridTooLarge", "discretize", "trim", "convolve", "compose_balanced", "coarsen", "unit", "both"]
+__all__ = [
+    "Pmf",
+    "GridTooLarge",
+    "discretize",
+    "trim",
+    "convolve",
+    "compose_balanced",
+    "coarsen",
+    "unit",
+    "both",
+    "pmf_from_dict",
+]
 
 TRIM_MASS = 1e-20  # single-step mass trimmed from each end (pessimistically)
 FOLD_TAIL = 1e-16  # composed mass trimmed from each end after one convolution (pessimistically)
@@ -75,6 +86,22 @@ class Pmf:
     @property
     def size(self) -> int:
         return self.probs.size
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything that decides this PMF's metrics and its next convolution.
+
+        ``{"d", "lo", "inf", "probs", "log_mgfs"}``: plain numbers and float64 arrays
+        (copies); ``log_mgfs`` is ``None`` until it was needed (it is then the sum of the
+        operands' values, not a function of ``probs``, so it is kept as computed). The
+        query tails are a cache of ``probs`` and are rebuilt on demand.
+        """
+        return {
+            "d": self.d,
+            "lo": self.lo,
+            "inf": self.inf,
+            "probs": self.probs.copy(),
+            "log_mgfs": None if self._mgf is None else np.array(self._mgf, dtype=np.float64),
+        }
 
     def losses(self) -> np.ndarray:
         return (self.lo + np.arange(self.size)) * self.d
@@ -227,6 +254,45 @@ def both(first: Callable[[], Any], second: Callable[[], Any]) -> tuple[Any, Any]
     if not ok:
         raise value
     return result[0], value
+
+
+def pmf_from_dict(data: Any, where: str) -> Pmf:
+    """The :class:`Pmf` of :meth:`Pmf.to_dict` output, bit for bit, after checking its form.
+
+    ``where`` names the value in error messages. Refused (``InputValueError``): a missing
+    or extra field, a grid spacing that is not a positive finite number, a non-integer
+    offset, a mass at infinity outside ``[0, 1]``, ``probs`` that is not a non-empty 1-D
+    float64 array of finite non-negative values, ``log_mgfs`` that is not ``None`` or one
+    float64 value (not NaN) per tilt of ``LAMBDAS``.
+    """
+    fields = ("d", "lo", "inf", "probs", "log_mgfs")
+    if not isinstance(data, dict) or set(data) != set(fields):
+        got = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise InputValueError(f"{where}: expected a PMF with the fields {list(fields)}; got {got}.")
+    d, lo, inf, probs, mgf = (data[f] for f in fields)
+    if isinstance(d, bool) or not isinstance(d, (int, float)) or not (math.isfinite(d) and d > 0):
+        raise InputValueError(f"{where}/d: the grid spacing must be a positive finite number; got {d!r}.")
+    if isinstance(lo, bool) or not isinstance(lo, int):
+        raise InputValueError(f"{where}/lo: the grid offset must be an int; got {lo!r}.")
+    if isinstance(inf, bool) or not isinstance(inf, (int, float)) or not 0.0 <= inf <= 1.0:
+        raise InputValueError(f"{where}/inf: the mass at infinity must be in [0, 1]; got {inf!r}.")
+    probs = _float64_vector(probs, f"{where}/probs")
+    if probs.size == 0 or not np.all(np.isfinite(probs)) or bool((probs < 0).any()):
+        raise InputValueError(f"{where}/probs: expected a non-empty array of finite, non-negative masses.")
+    if mgf is not None:
+        mgf = _float64_vector(mgf, f"{where}/log_mgfs")
+        if mgf.size != LAMBDAS.size or bool(np.isnan(mgf).any()):
+            raise InputValueError(
+                f"{where}/log_mgfs: expected {LAMBDAS.size} values (one per tilt), none NaN; got {mgf.size}."
+            )
+    return Pmf(float(d), lo, probs, float(inf), mgf)
+
+
+def _float64_vector(value: Any, where: str) -> np.ndarray:
+    if not isinstance(value, np.ndarray) or value.dtype != np.float64 or value.ndim != 1:
+        kind = f"{value.dtype} array of shape {value.shape}" if isinstance(value, np.ndarray) else type(value).__name__
+        raise InputValueError(f"{where}: expected a 1-D float64 array; got a {kind}.")
+    return np.array(value, dtype=np.float64, copy=True)
 
 
 def unit(d: float) -> Pmf:

@@ -28,7 +28,7 @@ from opake_fx.errors import BudgetExceededError, InputTypeError, InputValueError
 
 __all__ = ["Accountant"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 1: budget and spent; 2: also the running composition (bit-exact resume)
 
 
 class Accountant:
@@ -70,7 +70,8 @@ class Accountant:
         self._pld = IncrementalPld(budget.discretization).then(spent) if budget.accountant == "pld" else None
         self._run: tuple[DpProcess, int] | None = None  # trailing identical steps not folded yet
         self._rdp_sum: np.ndarray | None = None  # RDP of the steps before _rdp_todo
-        self._rdp_todo: list[DpProcess] = [spent]
+        # the steps not summed yet, as runs (process, n): n consecutive steps of process
+        self._rdp_todo: list[tuple[DpProcess, int]] = [(spent, 1)]
         self._probe: tuple[DpProcess, Any, float] | None = None  # (step, composed with it, metric)
         # (process, n): n more runs of `process` fit (computed once when the same process
         # is stepped twice in a row, so long runs are checked in O(1))
@@ -147,7 +148,11 @@ class Accountant:
             if self._pld is not None:
                 self._pld = composed
         self._add_counts(process)
-        self._rdp_todo.append(process)
+        last = self._rdp_todo[-1] if self._rdp_todo else None
+        if last is not None and (last[0] is process or last[0] == process):
+            self._rdp_todo[-1] = (last[0], last[1] + 1)
+        else:
+            self._rdp_todo.append((process, 1))
         self._probe = None
         self._last = process
 
@@ -215,9 +220,12 @@ class Accountant:
     def _rdp_curve(self) -> np.ndarray:
         done = 0
         try:
-            for process in self._rdp_todo:
+            for process, n in self._rdp_todo:
                 curve = process.rdp()  # may raise: no RDP curve for this mechanism
-                self._rdp_sum = curve if self._rdp_sum is None else self._rdp_sum + curve
+                total = self._rdp_sum
+                for _ in range(n):  # one addition per step, in step order (as the steps came)
+                    total = curve if total is None else total + curve
+                self._rdp_sum = total
                 done += 1
         finally:
             del self._rdp_todo[:done]
@@ -259,19 +267,126 @@ class Accountant:
             "training, or add noise / use fewer steps."
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        """Plain, JSON-able state: ``{"version", "budget", "spent"}``."""
-        return {"version": _STATE_VERSION, "budget": self._budget.to_dict(), "spent": self.spent.to_dict()}
+    def state_dict(self, *, running: bool = False) -> dict[str, Any]:
+        """The accountant's state: ``{"version": 1, "budget", "spent"}``, plain and JSON-able.
+
+        With ``running=True`` (what :mod:`opake_fx.serialization` saves) the state is
+        ``{"version": 2, "budget", "spent", "running"}``: ``"running"`` holds everything
+        that decides the next report and the next step's rounding -- the running
+        composition (:meth:`IncrementalPld.state_dict`, float64 numpy arrays, so not
+        JSON-able), the trailing run of identical steps not folded in yet, the counted-down
+        headroom, the last step, and the RDP curve summed so far with the steps not summed
+        yet -- so that :meth:`from_state_dict` resumes bit for bit: every later report and
+        every accept/refuse decision is the one the uninterrupted accountant makes.
+
+        Without it, :meth:`from_state_dict` recomposes the spent process in one go: the
+        restored accountant reports what the uninterrupted one does to ~1e-9 relative
+        (another order of convolutions rounds differently), not bit for bit, and at the
+        budget's very edge it may accept or refuse one step differently.
+
+        Privacy: the spent process is saved exactly either way; nothing is forgotten.
+
+        Example:
+            >>> import opake_fx.accounting as acc
+            >>> import opake_fx.dpsgd.accounting as dpsgd_acc
+            >>> step = dpsgd_acc.poisson(dpsgd_acc.gaussian(1.0), 0.01)
+            >>> acct = acc.Accountant(acc.epsilon_budget(2.0, delta=1e-5))
+            >>> for _ in range(5):
+            ...     acct.step(step)
+            >>> sorted(acct.state_dict())
+            ['budget', 'spent', 'version']
+            >>> resumed = acc.Accountant.from_state_dict(acct.state_dict(running=True))
+            >>> resumed.step(step); acct.step(step)
+            >>> resumed.spent_epsilon(1e-5) == acct.spent_epsilon(1e-5)
+            True
+        """
+        state: dict[str, Any] = {"version": 1, "budget": self._budget.to_dict(), "spent": self.spent.to_dict()}
+        if not running:
+            return state
+        state["version"] = _STATE_VERSION
+        state["running"] = {
+            "pld": None if self._pld is None else self._pld.state_dict(),
+            "run": None if self._run is None else [self._run[0].to_dict(), self._run[1]],
+            "headroom": None if self._headroom is None else [self._headroom[0].to_dict(), self._headroom[1]],
+            "last": None if self._last is None else self._last.to_dict(),
+            "rdp_sum": None if self._rdp_sum is None else np.array(self._rdp_sum, dtype=np.float64),
+            "rdp_todo": [[process.to_dict(), n] for process, n in self._rdp_todo],
+        }
+        return state
 
     @classmethod
     @typechecked
     def from_state_dict(cls, state: dict[str, Any]) -> Accountant:
-        """Rebuilds an accountant from :meth:`state_dict` output."""
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+        """Rebuilds an accountant from :meth:`state_dict` output (either version).
+
+        A version-2 state (``running=True``) resumes bit for bit; a version-1 state
+        recomposes the spent process (reports agree to ~1e-9, see :meth:`state_dict`).
+
+        Raises:
+            InputValueError: an unknown version, or a field missing or of the wrong form
+                (named).
+
+        Privacy: the running composition is trusted to be the one saved with the spent
+        process (a checkpoint's checksum and digest vouch for it); only its form is checked.
+        """
+        version = state.get("version")
+        expected = {1: {"version", "budget", "spent"}, 2: {"version", "budget", "spent", "running"}}
+        if version not in expected or set(state) != expected[version]:
             raise InputValueError(
-                f"Accountant.from_state_dict: expected a state_dict of version {_STATE_VERSION}; got {state!r:.200}."
+                f"Accountant.from_state_dict: expected a state_dict of version 1 or {_STATE_VERSION} "
+                f"(keys version, budget, spent[, running]); got {state!r:.200}."
             )
-        return cls(budget_from_dict(state["budget"]), process_from_dict(state["spent"]))
+        budget, spent = budget_from_dict(state["budget"]), process_from_dict(state["spent"])
+        if version == 1:
+            return cls(budget, spent)
+        return cls._resumed(budget, spent, state["running"])
+
+    @classmethod
+    def _resumed(cls, budget: Budget, spent: DpProcess, running: Any) -> Accountant:
+        """The accountant whose running state is ``running`` (see :meth:`state_dict`)."""
+        where = "Accountant state/running"
+        fields = {"pld", "run", "headroom", "last", "rdp_sum", "rdp_todo"}
+        if not isinstance(running, dict) or set(running) != fields:
+            got = sorted(running) if isinstance(running, dict) else type(running).__name__
+            raise InputValueError(f"{where}: expected the fields {sorted(fields)}; got {got}.")
+        out = object.__new__(cls)
+        out._budget = budget
+        out._counts = {}
+        out._add_counts(spent)
+        out._spent = spent
+        pld = running["pld"]
+        if (pld is None) != (budget.accountant != "pld"):
+            raise InputValueError(
+                f"{where}/pld: a {budget.accountant.upper()} budget "
+                + ("keeps a running PLD; the state has none." if pld is None else "keeps no running PLD; the state has one.")
+            )
+        out._pld = None if pld is None else IncrementalPld.from_state_dict(pld)
+        out._run = _counted(running["run"], f"{where}/run", 1)
+        out._headroom = _counted(running["headroom"], f"{where}/headroom", 0)
+        out._last = None if running["last"] is None else _process(running["last"], f"{where}/last")
+        for name, pair in (("run", out._run), ("headroom", out._headroom)):
+            if pair is not None and pair[0] != out._last:
+                raise InputValueError(f"{where}/{name}: its process is not the last step taken.")
+        rdp_sum = running["rdp_sum"]
+        if rdp_sum is not None:
+            n_orders = len(_rdp.DEFAULT_RDP_ORDERS)
+            if not isinstance(rdp_sum, np.ndarray) or rdp_sum.dtype != np.float64 or rdp_sum.shape != (n_orders,):
+                raise InputValueError(f"{where}/rdp_sum: expected None or a float64 array of shape ({n_orders},).")
+            if bool(np.isnan(rdp_sum).any()):
+                raise InputValueError(f"{where}/rdp_sum: NaN in the RDP curve.")
+            rdp_sum = np.array(rdp_sum, dtype=np.float64)
+        out._rdp_sum = rdp_sum
+        todo = running["rdp_todo"]
+        if not isinstance(todo, list):
+            raise InputValueError(f"{where}/rdp_todo: expected a list of [process, count]; got {type(todo).__name__}.")
+        out._rdp_todo = []
+        for i, item in enumerate(todo):
+            run = _counted(item, f"{where}/rdp_todo/{i}", 1)
+            if run is None:
+                raise InputValueError(f"{where}/rdp_todo/{i}: expected [process, count]; got None.")
+            out._rdp_todo.append(run)
+        out._probe = None
+        return out
 
     def __repr__(self) -> str:
         return f"Accountant(budget={self._budget!r}, spent={self.spent!r})"
@@ -288,6 +403,24 @@ class _RdpProfile:
 
     def delta_at(self, epsilon: float) -> float:
         return _rdp.delta_from_rdp(_rdp.DEFAULT_RDP_ORDERS, self.curve, epsilon)
+
+
+def _process(data: Any, where: str) -> DpProcess:
+    if not isinstance(data, dict):
+        raise InputValueError(f"{where}: expected a process dict; got {type(data).__name__}.")
+    return process_from_dict(data)
+
+
+def _counted(data: Any, where: str, minimum: int) -> tuple[DpProcess, int] | None:
+    """``[process dict, count]`` (count an int >= ``minimum``) as ``(process, count)``; None stays None."""
+    if data is None:
+        return None
+    if not isinstance(data, (list, tuple)) or len(data) != 2:
+        raise InputValueError(f"{where}: expected None or [process, count]; got {data!r:.100}.")
+    count = data[1]
+    if isinstance(count, bool) or not isinstance(count, int) or count < minimum:
+        raise InputValueError(f"{where}: the count must be an int >= {minimum}; got {count!r}.")
+    return _process(data[0], where), count
 
 
 def _checked(process: object) -> DpProcess:

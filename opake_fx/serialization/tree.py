@@ -35,6 +35,8 @@ _MAX_LISTED = 8
 class _Serializer(NamedTuple):
     to_tree: Callable[[Any], Any]
     from_tree: Callable[[Any, Any], Any]
+    variable_shapes: bool = False
+    from_leaf: Callable[[Any, Any], Any] | None = None
 
 
 # The serializer registry: the one documented piece of module-level state here (users
@@ -45,7 +47,12 @@ _BUILTINS_LOADED = False
 
 @typechecked
 def register_serializer(
-    cls: type, *, to_tree: Callable[[Any], Any], from_tree: Callable[[Any, Any], Any]
+    cls: type,
+    *,
+    to_tree: Callable[[Any], Any],
+    from_tree: Callable[[Any, Any], Any],
+    variable_shapes: bool = False,
+    from_leaf: Callable[[Any, Any], Any] | None = None,
 ) -> type:
     """Teaches :func:`state_dict` / :func:`from_state_dict` a type of your own.
 
@@ -60,10 +67,21 @@ def register_serializer(
 
     Args:
         cls: the type to serialize.
-        to_tree: ``obj -> tree``.
+        to_tree: ``obj -> tree``. With ``variable_shapes``, the structure (which entries
+            there are) must not depend on the object's state: give an absent part empty
+            tensors and ``None`` values rather than leaving its entries out.
         from_tree: ``(template, tree) -> obj``; raise an ``OpakeError`` (or ``ValueError``)
             for a value that does not fit: it is reported as a :class:`CheckpointError`
             naming the entry.
+        variable_shapes: ``True`` for a state whose arrays grow with the run (the
+            ``Accountant``'s running composition): a tensor in this type's tree may then
+            have any size, with the template's number of dimensions, and must have
+            exactly the template's dtype (no precision change on load); a tensor of
+            another dtype or rank, or a value that is not a tensor, is still refused with
+            its path. ``False`` (default): the template's shapes, as everywhere else.
+        from_leaf: ``(template, value) -> obj`` for files written when this type was
+            saved as one plain leaf at its path (an earlier format); ``None`` refuses
+            such a file (its entry is reported as unknown).
 
     Returns:
         ``cls``.
@@ -83,7 +101,7 @@ def register_serializer(
         >>> from_state_dict(Ema(torch.zeros(2)), flat).avg
         tensor([1., 1.])
     """
-    _SERIALIZERS[cls] = _Serializer(to_tree, from_tree)
+    _SERIALIZERS[cls] = _Serializer(to_tree, from_tree, variable_shapes, from_leaf)
     return cls
 
 
@@ -261,17 +279,26 @@ class _Loader:
         self.used: set[str] = set()
         self.problems: list[str] = []
         self.missing: list[str] = []
+        self.variable_shapes = 0  # > 0 inside the tree of a variable_shapes serializer
 
     def load(self, template: Any, path: str) -> Any:
         serializer = serializer_for(type(template))
         if serializer is not None:
+            if serializer.from_leaf is not None and path in self.flat:  # written in the one-leaf format
+                self.used.add(path)
+                value = self.flat[path]
+                return self._build(path, lambda: serializer.from_leaf(template, value))
             before = len(self.problems)
-            tree = self.load(serializer.to_tree(template), path)
+            self.variable_shapes += serializer.variable_shapes
+            try:
+                tree = self.load(serializer.to_tree(template), path)
+            finally:
+                self.variable_shapes -= serializer.variable_shapes
             if len(self.problems) > before:
                 return template
             return self._build(path, lambda: serializer.from_tree(template, tree))
         if isinstance(template, torch.Tensor):
-            return self._leaf(path, template, _tensor_value)
+            return self._leaf(path, template, _any_size_tensor_value if self.variable_shapes else _tensor_value)
         if isinstance(template, _PLAIN):
             return self._leaf(path, template, _plain_value)
         children = _children(template, path)
@@ -326,6 +353,17 @@ def _tensor_value(value: Any, template: torch.Tensor) -> torch.Tensor:
     if template.requires_grad:
         out.requires_grad_(True)
     return out
+
+
+def _any_size_tensor_value(value: Any, template: torch.Tensor) -> torch.Tensor:
+    """A tensor leaf of a ``variable_shapes`` serializer: any size, the template's rank and dtype."""
+    if not isinstance(value, torch.Tensor):
+        raise _Misfit(f"the checkpoint has the {type(value).__name__} {value!r:.40} where the template has a tensor")
+    if value.dim() != template.dim():
+        raise _Misfit(f"{value.dim()} dimensions in the checkpoint, the template has {template.dim()}")
+    if value.dtype != template.dtype:
+        raise _Misfit(f"dtype {value.dtype} in the checkpoint, the template has {template.dtype} (it must match exactly)")
+    return value.detach().to(device=template.device, copy=True)
 
 
 def _dtype_fits(saved: torch.dtype, wanted: torch.dtype) -> bool:

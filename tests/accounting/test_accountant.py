@@ -87,6 +87,44 @@ def test_state_dict_round_trips_through_json():
         acc.Accountant.from_state_dict({"version": 99})
 
 
+def test_state_dict_with_the_running_composition_resumes_bit_for_bit():
+    budget = acc.epsilon_budget(2.0, delta=1e-5, discretization=1e-3)
+    other = dpsgd_acc.poisson(dpsgd_acc.gaussian(0.8), 0.02)
+    acct = acc.Accountant(budget)
+    for step in (STEP, STEP, STEP):  # the second one computed a headroom; a run is pending
+        acct.step(step)
+    state = acct.state_dict(running=True)
+    assert state["version"] == 2 and state["running"]["run"] == [STEP.to_dict(), 2]
+    resumed = acc.Accountant.from_state_dict(state)
+    for step in (STEP, other, STEP):
+        acct.step(step)
+        resumed.step(step)
+    assert resumed.spent == acct.spent
+    for engine in ("pld", "rdp"):
+        assert resumed.spent_epsilon(1e-5, accountant=engine) == acct.spent_epsilon(1e-5, accountant=engine)
+
+
+def test_state_dict_refuses_a_malformed_running_state():
+    acct = acc.Accountant(acc.epsilon_budget(2.0, delta=1e-5, discretization=1e-3))
+    acct |= STEP
+    good = acct.state_dict(running=True)
+
+    def running(**change):
+        return {**good, "running": {**good["running"], **change}}
+
+    cases = [
+        (running(pld=None), r"running/pld: a PLD budget keeps a running PLD"),
+        (running(run=[STEP.to_dict(), 0]), r"running/run: the count must be an int >= 1"),
+        (running(run=[dpsgd_acc.gaussian(3.0).to_dict(), 2]), r"running/run: its process is not the last step"),
+        (running(rdp_sum=[0.0]), r"running/rdp_sum: expected None or a float64 array"),
+        (running(rdp_todo=[None]), r"running/rdp_todo/0: expected \[process, count\]"),
+        ({k: v for k, v in good.items() if k != "running"} | {"version": 2}, r"version 1 or 2"),
+    ]
+    for state, message in cases:
+        with pytest.raises(InputValueError, match=message):
+            acc.Accountant.from_state_dict(state)
+
+
 def test_rdp_budget_accountant():
     acct = acc.Accountant(acc.epsilon_budget(2.0, delta=1e-5, accountant="rdp"))
     acct |= STEP * 100

@@ -173,6 +173,51 @@ def test_incremental_pld_errors_and_identity():
     assert acc.IncrementalPld().epsilon_at(1e-5) == 0.0
 
 
+def test_state_dict_continues_the_composition_bit_for_bit():
+    first, second = poisson(1.0, 0.05), dpsgd_acc.poisson(dpsgd_acc.laplace(2.0), 0.05)
+    symmetric = acc.IncrementalPld(1e-3).then(dpsgd_acc.gaussian(3.0))
+    assert symmetric.state_dict()["add"] is None
+    back = acc.IncrementalPld.from_state_dict(symmetric.state_dict())
+    assert back.then(first).epsilon_at(1e-5) == symmetric.then(first).epsilon_at(1e-5)
+    running = symmetric.then(first * 3)
+    state = running.state_dict()
+    assert state["add"] is not None and state["remove"]["probs"].dtype == np.float64
+    back = acc.IncrementalPld.from_state_dict(state)
+    assert repr(back) == repr(running)
+    for a, b in [(running.then(second), back.then(second)), (running.then(first), back.then(first))]:
+        assert a.epsilon_at(1e-5) == b.epsilon_at(1e-5) and a.delta_at(0.5) == b.delta_at(0.5)
+        sa, sb = a.state_dict(), b.state_dict()
+        for pair in ("remove", "add"):
+            if sa[pair] is not None:
+                assert np.array_equal(sa[pair]["probs"], sb[pair]["probs"]) and sa[pair]["lo"] == sb[pair]["lo"]
+    state["remove"]["probs"][0] = 1.0  # the saved arrays are copies
+    assert running.state_dict()["remove"]["probs"][0] != 1.0
+
+
+def test_from_state_dict_refuses_a_malformed_state_naming_the_field():
+    good = acc.IncrementalPld(1e-3).then(poisson(1.0, 0.05)).state_dict()
+
+    def changed(pair, field, value):
+        state = {**good, pair: {**good[pair], field: value}}
+        return state
+
+    cases = [
+        (changed("remove", "probs", good["remove"]["probs"].astype(np.float32)), r"remove/probs: expected a 1-D float64"),
+        (changed("remove", "probs", np.zeros(0)), r"remove/probs: expected a non-empty array"),
+        (changed("remove", "probs", -good["remove"]["probs"]), r"remove/probs: .*non-negative"),
+        (changed("add", "log_mgfs", np.zeros(3)), r"add/log_mgfs: expected 30 values"),
+        (changed("add", "inf", 1.5), r"add/inf: the mass at infinity must be in \[0, 1\]"),
+        (changed("add", "d", -1e-3), r"add/d: the grid spacing must be a positive"),
+        (changed("remove", "lo", 1.5), r"remove/lo: the grid offset must be an int"),
+        ({**good, "relation": "any"}, r"relation: expected None"),
+        ({**good, "folds": -1}, r"folds: expected an int >= 0"),
+        ({k: v for k, v in good.items() if k != "add"}, r"expected the fields"),
+    ]
+    for state, message in cases:
+        with pytest.raises(InputValueError, match=message):
+            acc.IncrementalPld.from_state_dict(state)
+
+
 # ----------------------------------------------------------------- accountant
 
 
