@@ -210,3 +210,20 @@ def test_chain_clip_second_moment_noise_adam_trains_and_reports():
     assert float(((x @ p - y) ** 2).mean()) < 0.2 * first
     report = pipe.privacy_report(sample_rate=0.01, steps=100, delta=1e-5)
     assert report.private and report.noise_multiplier == 0.5
+
+
+@pytest.mark.slow
+def test_digits_example_runs_every_variant_at_one_budget(capsys):
+    pytest.importorskip("sklearn")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "examples" / "second_moment_digits.py"
+    spec = importlib.util.spec_from_file_location("second_moment_digits", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    results = example.main(["--epsilon", "8", "--epochs", "1", "--seeds", "1", "--lrs", "0.01", "--gammas", "1e-4"])
+    out = capsys.readouterr().out
+    assert "spent 7.9" in out or "spent 8.000" in out
+    assert {variant for _, variant in results} == {"dp-adam", "dp-adambc", "private-v"}
+    assert all(0.0 <= mean <= 1.0 for mean, *_ in results.values())
