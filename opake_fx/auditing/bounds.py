@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import scipy.optimize
@@ -152,12 +153,12 @@ def one_run_p_value(num_canaries: int, guesses: int, correct: int, epsilon: floa
     """
     if guesses <= 0 or correct <= 0:
         return 1.0
-    q = scipy.special.expit(epsilon)
-    beta = float(_binom.sf(correct - 1, guesses, q))
+    q = float(scipy.special.expit(epsilon))
+    beta = _at_least(correct, guesses, q)
     if delta == 0:
         return beta
     i = np.arange(1, correct + 1)
-    gap = (_binom.sf(correct - i - 1, guesses, q) - beta) / i
+    gap = (_at_least(correct - i, guesses, q) - beta) / i
     return min(1.0, beta + 2.0 * num_canaries * delta * max(float(gap.max()), 0.0))
 
 
@@ -245,6 +246,14 @@ def epsilon_one_run_fdp(num_canaries: int, guesses: int, correct: int, *, signif
 
 
 # --- helpers -----------------------------------------------------------------------------
+
+
+def _at_least(v: Any, n: int, q: float) -> Any:
+    """P[Binomial(n, q) >= v], elementwise (scipy.special.bdtrc: the upper tail, without scipy.stats' overhead)."""
+    v = np.asarray(v)
+    tail = scipy.special.bdtrc(np.maximum(v - 1, 0), n, q)
+    out = np.where(v <= 0, 1.0, tail)
+    return float(out) if out.ndim == 0 else out
 
 
 def _gdp_blow_up_inverse(mu: float) -> Callable[[float], float]:
