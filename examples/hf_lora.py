@@ -1,16 +1,16 @@
-"""DP fine-tuning of LoRA adapters on a Hugging Face GPT-2, with the fast clipping backend.
+"""DP fine-tuning of LoRA adapters on a Hugging Face GPT-2 with ``DPTrainer``.
 
 The usual recipe of private language-model fine-tuning, at a size that runs in about a
 minute on two CPU cores and with data the script generates (nothing is downloaded):
 
 1. "Pre-train" a tiny GPT-2 (built from a config) without privacy on PUBLIC text: token
-   sequences from a random Markov chain P.
-2. Fine-tune LoRA adapters (peft, rank 8 on the attention and MLP projections, which are
-   Hugging Face ``Conv1D`` layers) on PRIVATE text from another chain Q with DP-SGD:
-   Poisson sampling, per-example clipping by the ``"auto"`` backend (norms from layer
-   activations; no per-example gradients), Gaussian noise, Adam; the noise multiplier is
-   calibrated for (epsilon, delta) and an Accountant tracks the spend. The base model
-   stays frozen and never enters the privacy computation.
+   sequences from a random Markov chain P, with Hugging Face's own ``Trainer``.
+2. Fine-tune LoRA adapters (peft, rank 8 on the attention and MLP projections) on PRIVATE
+   text from another chain Q with ``opake_fx.transformers.DPTrainer``: the same script as
+   step 1 with the DP fields added to the arguments. Poisson sampling, per-example
+   clipping by the ``"auto"`` backend, Gaussian noise calibrated for (epsilon, delta),
+   AdamW, an accountant; only the adapters are clipped, noised and released, the base
+   model stays frozen.
 3. Report the per-token loss on held-out private text before and after, against Q's
    entropy rate (the best any model can do).
 
@@ -23,21 +23,14 @@ Needs the ``hf`` extra (``pip install -e ".[hf]"``: transformers and peft).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
+import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset, default_collate
-
-import opake_fx.accounting as acc
-import opake_fx.dpsgd.accounting as dpsgd_acc
-from opake_fx.dpsgd import clip, noise
-from opake_fx.dpsgd.sampling import PoissonSampler
-from opake_fx.functional import empty_collate, make_functional
-from opake_fx.optimizers import adam
-from opake_fx.random import key
-from opake_fx.transforms import apply_updates, named_chain
 
 VOCAB, SEQ = 32, 24
 
@@ -73,28 +66,23 @@ def build_gpt2():
     return GPT2LMHeadModel(config)
 
 
-def token_losses(fmodel, params, ids: torch.Tensor) -> torch.Tensor:
-    """Per-example mean next-token loss ``[B]``; positions carry the batch axis (see docs/clipping.md)."""
-    positions = torch.arange(ids.shape[1]).expand_as(ids)
-    logits = fmodel(params, input_ids=ids, position_ids=positions).logits
-    return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+def as_dataset(ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def pretrain(model, public: torch.Tensor, steps: int, seed: int) -> None:
-    """Non-private training on public data (plain PyTorch)."""
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(seed)
-    fmodel, _ = make_functional(model)
-    for _ in range(steps):
-        batch = public[torch.randint(0, len(public), (64,), generator=g)]
-        opt.zero_grad()
-        token_losses(fmodel, tuple(model.parameters()), batch).mean().backward()
-        opt.step()
-
-
-def evaluate(fmodel, params, ids: torch.Tensor) -> float:
+def per_token_loss(model, ids: torch.Tensor) -> float:
     with torch.no_grad():
-        return float(token_losses(fmodel, params, ids).mean())
+        logits = model(input_ids=ids).logits
+        return float(F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:]))
+
+
+def train(trainer_cls, args_cls, model, data, out_dir: str, **fields):
+    """The one training function of both phases: a plain Hugging Face Trainer call."""
+    args = args_cls(output_dir=out_dir, report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True,
+                    logging_steps=10, **fields)
+    trainer = trainer_cls(model=model, args=args, train_dataset=data)
+    with contextlib.redirect_stdout(io.StringIO()):  # Hugging Face prints its logs
+        return trainer.train()
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -106,82 +94,52 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--private-examples", type=int, default=4000)
     parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--clip", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate for the adapters")
+    parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate for the adapters")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    import transformers
     from peft import LoraConfig, get_peft_model
+
+    import opake_fx.transformers as dp
 
     public_chain, private_chain = markov_chain(1), markov_chain(2)
     public = sample_sequences(public_chain, 8000, seed=3)
     private = sample_sequences(private_chain, args.private_examples, seed=4)
     private_test = sample_sequences(private_chain, 1000, seed=5)
     floor = entropy_rate(private_chain)
+    out = tempfile.mkdtemp(prefix="hf_lora_")
 
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     base = build_gpt2()
-    pretrain(base, public, args.pretrain_steps, args.seed)
+    train(transformers.Trainer, transformers.TrainingArguments, base, as_dataset(public), out + "/public",
+          per_device_train_batch_size=64, max_steps=args.pretrain_steps, learning_rate=3e-3, seed=args.seed)
     print(f"[public] pre-trained {args.pretrain_steps} steps in {time.perf_counter() - t0:.1f}s")
 
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True)
     model = get_peft_model(base, lora)
-    fmodel, params = make_functional(model)
-    trainable = [i for i, name in enumerate(fmodel.param_names) if "lora_" in name]
-    frozen = list(params)
+    n_adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_total = sum(p.numel() for p in model.parameters())
+    before = per_token_loss(model, private_test)
 
-    def with_adapters(adapters):
-        full = list(frozen)
-        for i, t in zip(trainable, adapters):
-            full[i] = t
-        return tuple(full)
-
-    def loss_fn(adapters, ids):  # the whole batch: per-example losses [B]
-        return token_losses(fmodel, with_adapters(adapters), ids)
-
-    adapters = tuple(params[i] for i in trainable)
-    n_adapter = sum(a.numel() for a in adapters)
-    n_total = sum(p.numel() for p in params)
-    before = evaluate(fmodel, params, private_test)
-
-    n = len(private)
-    q = args.batch_size / n
-    steps = int(round(args.epochs / q))
-
-    def per_step(nm: float) -> acc.DpProcess:
-        return dpsgd_acc.poisson(dpsgd_acc.gaussian(nm), q)
-
-    budget = acc.epsilon_budget(args.epsilon, delta=args.delta)
-    nm = acc.calibrate(budget, lambda s: per_step(s) * steps, param_min=0.3, param_max=50.0).param
-    print(f"[dp] {n_adapter} adapter parameters of {n_total}; {steps} steps at sample rate {q:.3f}, "
-          f"noise multiplier {nm:.3f} for (epsilon={args.epsilon}, delta={args.delta})")
-
-    pipeline = named_chain(
-        ("clip", clip(loss_fn, clipping_norm=args.clip, batch_argnums=(1,), normalize_by=args.batch_size,
-                      clip_backend="auto", model=fmodel)),
-        ("noise", noise(noise_multiplier=nm, key=key(args.seed))),
-        ("opt", adam(args.lr)),
-    )
-    state = pipeline.init(adapters)
-    accountant = acc.Accountant(budget)
-    step_cost = per_step(nm)
-    sampler = PoissonSampler(TensorDataset(private), sample_rate=q, n_steps=steps, key=key(args.seed + 1))
-    loader = DataLoader(TensorDataset(private), batch_sampler=sampler, collate_fn=empty_collate(default_collate))
     t0 = time.perf_counter()
-    for step, (ids,) in enumerate(loader):
-        if accountant.would_exceed(step_cost):
-            print(f"[dp] stopping before step {step + 1}: it would exceed the privacy budget.")
-            break
-        updates, state = pipeline.update((ids,), state, adapters)
-        adapters = apply_updates(adapters, updates)
-        accountant |= step_cost
-    spent = accountant.spent_epsilon(args.delta)
-    after = evaluate(fmodel, with_adapters(adapters), private_test)
-    print(f"[dp] {steps} steps in {time.perf_counter() - t0:.1f}s; epsilon spent {spent:.3f}")
+    result = train(dp.DPTrainer, dp.TrainingArguments, model, as_dataset(private), out + "/private",
+                   per_device_train_batch_size=args.batch_size, num_train_epochs=args.epochs, learning_rate=args.lr,
+                   lr_scheduler_type="constant", seed=args.seed,
+                   # the DP fields: everything else is the script of the public phase
+                   privacy_target_epsilon=args.epsilon, privacy_target_delta=args.delta, clipping_norm=args.clip)
+    m = result.metrics
+    print(f"[dp] {n_adapter} adapter parameters of {n_total}; {result.global_step} steps, noise multiplier "
+          f"{m['privacy_noise_multiplier']:.3f} for (epsilon={args.epsilon}, delta={args.delta}), "
+          f"{time.perf_counter() - t0:.1f}s; epsilon spent {m['privacy_epsilon']:.3f}")
+    after = per_token_loss(model, private_test)
     print()
     print(f"private test loss per token: pre-trained {before:.3f} -> DP LoRA {after:.3f} "
           f"(entropy rate of the private chain: {floor:.3f}; uniform guess: {math.log(VOCAB):.3f})")
-    return {"before": before, "after": after, "floor": floor, "epsilon": spent}
+    merged = model.merge_and_unload()  # the merged-weight export: a plain GPT-2 with the adapters folded in
+    assert abs(per_token_loss(merged, private_test) - after) < 1e-4
+    return {"before": before, "after": after, "floor": floor, "epsilon": m["privacy_epsilon"]}
 
 
 if __name__ == "__main__":
