@@ -72,7 +72,8 @@ class NoisePrefetcher:
     ``draw(step_key, leaves, stddev)`` returns exactly
     ``flat_tree_normal(step_key, leaves, stddev=stddev)``: the pending draw when it was
     started for the same key, leaf shapes, dtypes, devices and stddev, else a draw made now.
-    ``prefetch(...)`` starts the next draw (replacing any pending one); ``discard()`` drops it;
+    ``prefetch(...)`` starts the next draw (replacing any pending one), ``prefetch_next(key)``
+    one for the layout and stddev of the last ``draw``; ``discard()`` drops it;
     ``normals(key, step, ...)`` does what a noise stage needs each step: step ``step``'s
     draw under ``fold_in(key, step)``, and step ``step + 1``'s started.
 
@@ -105,6 +106,7 @@ class NoisePrefetcher:
         self._lock = threading.Lock()
         self._pending: tuple[_Signature, Any] | None = None
         self._streams: dict[torch.device, Any] = {}
+        self._last: tuple[Any, float] | None = None
         self.hits = 0
         """How many draws were served from a prefetch (for tests and benchmarks)."""
 
@@ -113,6 +115,7 @@ class NoisePrefetcher:
         signature = _signature(step_key, leaves, stddev)
         with self._lock:
             pending, self._pending = self._pending, None
+        self._last = signature[1:]
         if pending is not None and pending[0] == signature:
             result = _collect(pending[1])
             self.hits += 1
@@ -130,6 +133,12 @@ class NoisePrefetcher:
         if step + 1 < MAX_STEPS:
             self.prefetch(fold_in(key, step + 1), leaves, stddev)
         return result
+
+    def prefetch_next(self, step_key: RngKey) -> None:
+        """Starts a draw under ``step_key`` for the leaf layout and stddev of the last :meth:`draw`."""
+        if self._last is not None:
+            layout, stddev = self._last
+            self.prefetch(step_key, [_LeafSpec(*spec) for spec in layout], stddev)  # type: ignore[misc]
 
     def prefetch(self, step_key: RngKey, leaves: Sequence[torch.Tensor], stddev: float) -> None:
         """Starts the draw ``draw(step_key, leaves, stddev)`` will return, if prefetching applies."""

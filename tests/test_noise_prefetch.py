@@ -103,3 +103,78 @@ def test_side_stream_draws_equal_the_draws_in_place_on_cuda() -> None:
         want, _ = flat_tree_normal(fold_in(key(3), step), leaves, stddev=0.5)
         assert _same(got, want)
     assert pf.hits == 2
+
+
+def test_prefetch_next_draws_for_the_layout_and_stddev_of_the_last_draw() -> None:
+    pf = NoisePrefetcher(enabled=True)
+    pf.prefetch_next(fold_in(key(2), 0))  # nothing drawn yet: nothing to repeat
+    assert not pf.pending
+    pf.draw(fold_in(key(2), 0), LEAVES, 0.7)
+    pf.prefetch_next(fold_in(key(2), 1))
+    got, _ = pf.draw(fold_in(key(2), 1), LEAVES, 0.7)
+    assert pf.hits == 1 and _same(got, flat_tree_normal(fold_in(key(2), 1), LEAVES, stddev=0.7)[0])
+
+
+# --- the noise stage ----------------------------------------------------------------------
+
+from opake_fx.dpsgd.noise import gaussian_noise, noise  # noqa: E402
+from opake_fx.types import ClippedPytree, PerGroup  # noqa: E402
+
+BIG = [torch.randn(600, 500, generator=torch.Generator().manual_seed(0)), torch.ones(9)]  # above the auto threshold
+
+
+def _run(prefetch, steps: int, state=None, max_norm=0.5, grads=BIG):
+    noise_fn, s0 = gaussian_noise(noise_multiplier=1.3, key=key(11), prefetch=prefetch)
+    state = s0 if state is None else state
+    outs = []
+    for _ in range(steps):
+        out, state = noise_fn(ClippedPytree(grads, max_norm=max_norm), state)
+        outs.append(list(out.pytree.values()) if isinstance(out.pytree, dict) else list(out.pytree))
+    return outs, state
+
+
+@pytest.mark.parametrize("prefetch", [True, None])
+def test_noise_stage_drawing_ahead_is_bit_identical_to_drawing_in_place(prefetch) -> None:
+    want, _ = _run(False, 4)
+    got, _ = _run(prefetch, 4)
+    assert all(_same(a, b) for a, b in zip(got, want))
+
+
+def test_per_group_stddevs_drawn_ahead_are_bit_identical() -> None:
+    grads = {"a": BIG[0], "b": BIG[1]}
+    norms = PerGroup({"a": "w", "b": "bias"}, {"w": 0.5, "bias": 0.25})
+    want, _ = _run(False, 3, max_norm=norms, grads=grads)
+    got, _ = _run(True, 3, max_norm=norms, grads=grads)
+    assert all(_same(a, b) for a, b in zip(got, want))
+
+
+def test_a_resumed_run_continues_the_same_noise() -> None:
+    whole, _ = _run(True, 5)
+    first, state = _run(True, 2)
+    rest, _ = _run(True, 3, state=state)  # a new stage from the saved state: its first step draws in place
+    assert all(_same(a, b) for a, b in zip(first + rest, whole))
+
+
+def test_replaying_a_state_gives_its_noise_again() -> None:
+    noise_fn, s0 = gaussian_noise(noise_multiplier=1.0, key=key(4), prefetch=True)
+    a, s1 = noise_fn(ClippedPytree(BIG, max_norm=1.0), s0)
+    b, _ = noise_fn(ClippedPytree(BIG, max_norm=1.0), s0)  # step 1's draw is pending; step 0 is drawn again
+    c, _ = noise_fn(ClippedPytree(BIG, max_norm=1.0), s1)
+    assert _same(list(a.pytree), list(b.pytree))
+    assert not torch.equal(a.pytree[0], c.pytree[0])
+
+
+@pytest.mark.parametrize("flag", ["exact", "secure"])
+def test_prefetch_is_refused_with_exact_or_secure_noise(flag) -> None:
+    with pytest.raises(InputValueError, match="prefetch=True"):
+        gaussian_noise(noise_multiplier=1.0, key=key(0), prefetch=True, **{flag: True})
+    gaussian_noise(noise_multiplier=1.0, key=key(0), **{flag: True})  # auto: drawn in place
+
+
+def test_the_chain_stage_takes_the_switch() -> None:
+    stage = noise(noise_multiplier=1.3, key=key(11), prefetch=True)
+    state = stage.init(None)
+    want, _ = _run(False, 2)
+    for w in want:
+        out, state = stage.update(ClippedPytree(BIG, max_norm=0.5), state)
+        assert _same(list(out.pytree), w)
