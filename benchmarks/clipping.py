@@ -4,8 +4,17 @@ Every variant is one full step on a fixed batch: forward, backward, (per-example
 clipping at C = 1, Gaussian noise with multiplier 1), SGD update.
 
 * ``non-private``  — ``loss.mean().backward()`` + ``torch.optim.SGD``.
+* ``floor``        — the same step plus one draw of as many normals as the model has
+  parameters with opake_fx's keyed generator (``flat_tree_normal``), drawn in line: what
+  any DP-SGD step costs at least, since it must compute the non-private gradient and draw
+  its noise. ``x floor`` separates our overhead from the noise's own cost.
 * ``opake-vmap``   — ``clipped_grad`` with the default vmap backend (per-example loss).
 * ``opake-auto``   — ``clipped_grad(..., clip_backend="auto", model=fmodel)`` (batched loss).
+* ``opake-auto-sync`` — the same with the noise drawn in line (``prefetch=False``): the
+  difference to ``opake-auto`` is what drawing the next step's noise in the background
+  (on by default for CPU draws of 2**18 values or more) saves. ``opake-auto-ahead``
+  (``prefetch=True``, not in the default list) draws ahead whatever the size or device:
+  on CUDA, the side stream.
 * ``opake-auto+randn`` — the same clipping, with the noise drawn by ``torch.randn`` from a
   seeded ``torch.Generator`` (as Opacus does) instead of the ``gaussian_noise`` stage: the
   difference to ``opake-auto`` is the noise stage's cost, not the clipping backend's.
@@ -20,7 +29,8 @@ first makes one untimed step (``--settle 1``), which absorbs the caches and allo
 the previous variant left, and then one timed step, the steady state of a training loop.
 A workload gets as many rounds (at least 7, at most 61 with ``--quick``) as fit 25 s of
 timing, so the cheap ones have tight medians. Ratios are to ``non-private`` from the
-same run. Peak memory is the growth of the resident set during a few steps, measured
+same run (``x non-private``), to ``floor`` (``x floor``), and the faster Opacus mode's time
+over the variant's (``x faster than Opacus``: above 1 the variant is faster). Peak memory is the growth of the resident set during a few steps, measured
 from right after setup (so buffers a variant keeps between steps, like Opacus's
 ``grad_sample``, count), in a fresh process per variant
 (``opake_fx.profiling.peak_rss_in_subprocess``, with ``MALLOC_MMAP_THRESHOLD_=65536`` so
@@ -70,7 +80,7 @@ from opake_fx import profiling  # noqa: E402
 from opake_fx.dpsgd.clipping import clipped_grad  # noqa: E402
 from opake_fx.dpsgd.noise import gaussian_noise  # noqa: E402
 from opake_fx.functional import make_functional  # noqa: E402
-from opake_fx.random import key  # noqa: E402
+from opake_fx.random import flat_tree_normal, fold_in, key  # noqa: E402
 
 THREADS = 2
 LR = 0.05
@@ -83,7 +93,9 @@ WORKLOADS: dict[str, tuple[str, int]] = {
     "lm-64": ("lm", 64),
     "embbag-256": ("embbag", 256),
 }
-VARIANTS = ["non-private", "opake-vmap", "opake-auto", "opake-auto+randn", "opacus-hooks", "opacus-ghost"]
+VARIANTS = ["non-private", "floor", "opake-vmap", "opake-auto", "opake-auto-sync", "opake-auto+randn", "opacus-hooks",
+            "opacus-ghost"]
+OPACUS = ("opacus-hooks", "opacus-ghost")
 LM_VOCAB, LM_DIM, LM_HEADS, LM_LAYERS, LM_SEQ, LM_FF = 1000, 128, 4, 2, 64, 512
 BAG_VOCAB, BAG_DIM, BAG_TOKENS, BAG_CLASSES = 20000, 64, 64, 4
 
@@ -196,17 +208,22 @@ def setup_step(workload: str, variant: str, threads: int = THREADS, device: str 
     model = build(kind).to(device)
     x, y = (t.to(device) for t in data(kind, batch))
     y_flat = y.reshape(-1)
-    if variant == "non-private":
+    if variant in ("non-private", "floor"):
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         crit = criterion(kind)
+        like = [p.detach() for p in model.parameters()]
+        floor_step = [0]
 
         def step() -> None:
             opt.zero_grad(set_to_none=True)
             crit(model_out(kind, model(x)), y_flat).backward()
             opt.step()
+            if variant == "floor":  # the noise any DP step must draw, drawn in line by our generator
+                flat_tree_normal(fold_in(key(0), floor_step[0]), like)
+                floor_step[0] += 1
 
         return step
-    if variant in ("opake-vmap", "opake-auto", "opake-auto+randn"):
+    if variant in ("opake-vmap", "opake-auto", "opake-auto-sync", "opake-auto-ahead", "opake-auto+randn"):
         fmodel, params = make_functional(model)
         if variant == "opake-vmap":
             loss = lambda p, xi, yi: per_example_losses(kind, fmodel(p, xi[None]), yi[None])[0]  # noqa: E731
@@ -215,7 +232,8 @@ def setup_step(workload: str, variant: str, threads: int = THREADS, device: str 
             loss = lambda p, xb, yb: per_example_losses(kind, fmodel(p, xb), yb)  # noqa: E731
             grad_fn, cstate = clipped_grad(loss, clipping_norm=1.0, batch_argnums=(1, 2), normalize_by=batch,
                                            clip_backend="auto", model=fmodel)
-        noise_fn, nstate = gaussian_noise(noise_multiplier=1.0, key=key(0))
+        prefetch = {"opake-auto-sync": False, "opake-auto-ahead": True}.get(variant)  # None: the default (auto)
+        noise_fn, nstate = gaussian_noise(noise_multiplier=1.0, key=key(0), prefetch=prefetch)
         state: dict[str, Any] = {"params": list(params), "clip": cstate, "noise": nstate}
         gen = torch.Generator(device=device).manual_seed(0)
 
@@ -314,6 +332,8 @@ def run(workloads: list[str], variants: list[str], warmup: int, repeats: int, me
         timings = profiling.time_interleaved(steps, warmup=0, repeats=n, settle=settle)
         del steps
         base = timings["non-private"].median if "non-private" in timings else math.nan
+        floor = timings["floor"].median if "floor" in timings else math.nan
+        opacus = min((timings[v].median for v in OPACUS if v in timings), default=math.nan)
         mems: dict[str, float] = {}
         if memory and device != "cpu":
             for v in variants:
@@ -329,6 +349,7 @@ def run(workloads: list[str], variants: list[str], warmup: int, repeats: int, me
         for v in variants:
             rows.append(dict(
                 workload=w, variant=v, rounds=n, ms=1e3 * timings[v].median, ratio=timings[v].median / base,
+                floor=timings[v].median / floor, vs_opacus=opacus / timings[v].median,
                 mem=mems.get(v, math.nan), mem_ratio=mems.get(v, math.nan) / mem_base if mem_base else math.nan,
             ))
         print(f"# {w}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
@@ -336,11 +357,12 @@ def run(workloads: list[str], variants: list[str], warmup: int, repeats: int, me
 
 
 def table(rows: list[dict[str, Any]], memory_label: str = "peak RSS growth (MiB)") -> str:
-    out = [f"| workload | variant | rounds | step (ms) | time / non-private | {memory_label} | memory / non-private |",
-           "|---|---|---:|---:|---:|---:|---:|"]
+    out = [f"| workload | variant | rounds | step (ms) | x non-private | x floor | x faster than Opacus | {memory_label} "
+           "| memory / non-private |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['workload']} | {r['variant']} | {r['rounds']} | {r['ms']:.2f} | {r['ratio']:.2f}x | "
-                   f"{r['mem']:.1f} | {r['mem_ratio']:.2f}x |")
+                   f"{r['floor']:.2f}x | {r['vs_opacus']:.2f}x | {r['mem']:.1f} | {r['mem_ratio']:.2f}x |")
     return "\n".join(out)
 
 
