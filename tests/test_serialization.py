@@ -532,3 +532,13 @@ def test_a_run_built_by_a_plan_resumes_bit_identically(tmp_path):
     assert_trees_equal(pb, params)
     assert_trees_equal(state_dict(sb), state_dict(state))
     assert ck["accountant"].spent == acct.spent
+
+
+def test_every_schedule_takes_its_parameters_from_the_checkpoint():
+    saved = (scheduling.constant(0.3), scheduling.linear(1.0, 0.1, 50), scheduling.cosine(0.2, 40, alpha=0.1),
+             scheduling.inverse_sqrt(0.5, warmup_steps=7), scheduling.with_warmup(scheduling.linear(0.4, 0.0, 9), 3))
+    template = (scheduling.constant(1.0), scheduling.linear(0.0, 0.0, 1), scheduling.cosine(1.0, 1),
+                scheduling.inverse_sqrt(1.0), scheduling.with_warmup(scheduling.linear(0.0, 0.0, 1), 1))
+    back = _roundtrip(template, saved)
+    assert back == saved and back != template
+    assert [s(11) for s in back] == [s(11) for s in saved]

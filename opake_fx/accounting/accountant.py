@@ -50,6 +50,10 @@ class Accountant:
     ``spent.epsilon_at`` to ~1e-7 (never a bit-exact copy of it). The RDP curve of the
     steps is kept too (summed lazily), so both engines can be reported.
 
+    Checkpoints: :meth:`state_dict` with ``running=True`` (what
+    :func:`~opake_fx.serialization.save_checkpoint` saves) holds that running state, so a
+    resumed accountant reports and decides bit for bit as the uninterrupted one.
+
     Args:
         budget: from :func:`epsilon_budget` or :func:`delta_budget`.
         spent: what was already spent (default: nothing); it must meet the budget.

@@ -147,8 +147,11 @@ def from_state_dict(template: Any, flat: Mapping[str, Any]) -> Any:
     Every class, container and key comes from ``template``; ``flat`` must have exactly
     the entries that ``state_dict(template)`` would have. Tensors must have the
     template's shape and take its dtype and device (a float32 checkpoint resumes a
-    bfloat16 model on another device; integer and bool tensors must match exactly).
-    Nothing named in ``flat`` is imported or called.
+    bfloat16 model on another device; integer and bool tensors must match exactly);
+    inside a type registered with ``variable_shapes=True`` (the ``Accountant``'s
+    running composition) a tensor may have any size but must have exactly the
+    template's dtype and number of dimensions. Nothing named in ``flat`` is imported or
+    called.
 
     Args:
         template: a state of the structure to rebuild (e.g. ``pipeline.init(params)``);
