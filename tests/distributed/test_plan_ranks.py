@@ -30,3 +30,41 @@ def test_a_plan_on_two_ranks_samples_disjoint_shards_and_keeps_ranks_identical(g
     assert r0["params"] == r1["params"] and r0["params"] != [0.0, 0.0, 0.0]
     assert r0["seen"] and r1["seen"] and max(r0["seen"]) < 200 <= min(r1["seen"])
     assert r0["epsilon"] == r1["epsilon"] <= 5.0
+
+
+def _blt_plan_run(rank: int, world_size: int, min_sep_of_rank_1: int) -> dict:
+    min_sep = 5 if rank == 0 else min_sep_of_rank_1
+    plan = DPPlan(dataset_size=400, batch_size=40, steps=10, noise_multiplier=1.0, delta=1e-5, mechanism="blt",
+                  sampling="b_min_sep", min_sep=min_sep)
+    data = torch.randn(400, 3, generator=torch.Generator().manual_seed(0)) + 1.0
+    sampler = plan.sampler(list(range(400)), key(1))
+    pipeline = plan.pipeline(lambda p, x: ((x - p) ** 2).sum(), sgd(0.1), key=key(0), batch_argnums=(1,))
+    p, state, batches = torch.zeros(3), pipeline.init(torch.zeros(3)), []
+    for step, batch in enumerate(sampler):
+        try:
+            updates, state = pipeline.update((data[batch],), state, p)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            return {"step": step, "error": type(exc).__name__, "message": str(exc)}
+        p = apply_updates(p, updates)
+        batches.append(batch)
+    return {"params": p.tolist(), "batches": batches, "error": None}
+
+
+@pytest.mark.distributed
+def test_a_blt_plan_on_two_ranks_keeps_the_pattern_and_identical_parameters(group2):
+    r0, r1 = group2.run(_blt_plan_run, 5)
+    assert r0["error"] is None and r0["params"] == r1["params"] != [0.0, 0.0, 0.0]
+    seen: dict[int, list[int]] = {}
+    for t in range(10):
+        assert not set(r0["batches"][t]) & set(r1["batches"][t])
+        for i in r0["batches"][t] + r1["batches"][t]:
+            seen.setdefault(i, []).append(t)
+    assert max(i for b in r0["batches"] for i in b) < 200 <= min(i for b in r1["batches"] for i in b)
+    assert all(b - a >= 5 for times in seen.values() for a, b in zip(times, times[1:]))
+
+
+@pytest.mark.distributed
+def test_ranks_whose_plans_differ_in_the_participation_pattern_stop_at_the_first_step(group2):
+    # rank 1's plan promises min_sep=2: its noise is scaled to another sensitivity
+    for r in group2.run(_blt_plan_run, 2):
+        assert r["step"] == 0 and r["error"] == "DistributedMismatchError" and "sensitivity differs" in r["message"], r
