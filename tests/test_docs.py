@@ -65,3 +65,10 @@ def test_site_builds_strictly_offline(tmp_path: Path):
         text = page.read_text(encoding="utf-8")
         assert "fonts.googleapis.com" not in text and "fonts.gstatic.com" not in text, page
         assert not re.search(r"<script[^>]+src=\"https?://", text), page
+
+
+def test_every_notebook_has_a_page_in_the_navigation():
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
+    missing = [n for n in notebooks if f": notebooks/{n}.md" not in nav]
+    assert not missing, f"add these notebooks' pages to mkdocs.yml's nav: {missing}"

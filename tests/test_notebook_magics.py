@@ -253,3 +253,30 @@ def test_broken_pool_refuses_cells_with_the_reason():
 def test_rank_died_error_names_rank_and_code():
     err = RankDiedError(1, -9, "rank 1 (pid 5) died with exit code -9 (SIGKILL)", "tail")
     assert err.rank == 1 and err.exitcode == -9 and "tail" in str(err)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ranks_exit_when_their_kernel_is_killed(tmp_path):
+    """A kernel killed outright (no atexit) leaves no rank and no torchrun behind."""
+    import subprocess
+
+    script = tmp_path / "kernel.py"
+    script.write_text(
+        "import sys, time\n"
+        "from opake_fx.notebook import DistPool\n"
+        "pool = DistPool(2, backend='gloo')\n"
+        "print(pool.torchrun_pid, *pool.pids.values(), flush=True)\n"
+        "time.sleep(600)\n",
+        encoding="utf-8",
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, **ENV})
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 3 and all(_alive(p) for p in pids)
+        proc.kill()
+        proc.wait(timeout=10)
+        assert _wait_gone(pids, timeout=15) == []
+    finally:
+        proc.kill()
