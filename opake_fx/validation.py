@@ -111,7 +111,7 @@ def finite(value: object, name: str, where: str, hint: str = "") -> float:
     """
     out = _number(value, name, where, hint)
     if not math.isfinite(out):
-        raise InputValueError(f"{where}: {name} must be finite; got {out}.{_sp(hint)}")
+        raise InputValueError(f"{where}: {name} must be finite; got {_shown(out)}.{_sp(hint)}")
     return out
 
 
@@ -127,7 +127,7 @@ def positive(value: object, name: str, where: str, hint: str = "", *, allow_inf:
     out = _number(value, name, where, hint)
     if not (out > 0 and (allow_inf or out < math.inf)):
         bound = "> 0" if allow_inf else "finite and > 0"
-        raise InputValueError(f"{where}: {name} must be {bound}; got {out}.{_sp(hint)}")
+        raise InputValueError(f"{where}: {name} must be {bound}; got {_shown(out)}.{_sp(hint)}")
     return out
 
 
@@ -141,7 +141,7 @@ def non_negative(value: object, name: str, where: str, hint: str = "", allow_inf
     out = _number(value, name, where, hint)
     if not (out >= 0 and (allow_inf or out < math.inf)):
         bound = "a number >= 0" if allow_inf else "finite and >= 0"
-        raise InputValueError(f"{where}: {name} must be {bound}; got {out}.{_sp(hint)}")
+        raise InputValueError(f"{where}: {name} must be {bound}; got {_shown(out)}.{_sp(hint)}")
     return out
 
 
@@ -171,7 +171,9 @@ def interval(
     below = out < high if high_open else out <= high
     if not (above and below):
         left, right = "(" if low_open else "[", ")" if high_open else "]"
-        raise InputValueError(f"{where}: {name} must be in {left}{low:g}, {high:g}{right}; got {out:g}.{_sp(hint)}")
+        raise InputValueError(
+            f"{where}: {name} must be in {left}{low:g}, {high:g}{right}; got {_shown(out, 'g')}.{_sp(hint)}"
+        )
     return out
 
 
@@ -205,7 +207,7 @@ def delta(value: object, where: str, name: str = "delta") -> float:
     out = _number(value, name, where)
     if not 0.0 < out < 1.0:
         raise InputValueError(
-            f"{where}: {name} must be in the open interval (0, 1); got {out}. "
+            f"{where}: {name} must be in the open interval (0, 1); got {_shown(out)}. "
             "Typical values are well below 1/dataset_size, e.g. 1e-5."
         )
     return out
@@ -277,6 +279,11 @@ def _number(value: object, name: str, where: str, hint: str = "") -> float:
             f"{where}: {name} must be a real number; got {type(value).__name__} ({value!r}).{_sp(hint)}"
         )
     return float(value)
+
+
+def _shown(value: float, spec: str = "") -> str:
+    # NaN is spelled as such, so that the message says plainly what went wrong.
+    return "NaN" if math.isnan(value) else format(value, spec)
 
 
 def _as_index(value: object) -> int | None:
