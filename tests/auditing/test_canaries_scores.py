@@ -124,3 +124,35 @@ def test_input_space_canaries_change_only_the_canary_slots():
     assert torch.equal(x2[others], x[others]) and float(x2[idx].std()) > 20.0
     with pytest.raises(InputValueError, match="slots"):
         mislabel(y[:50], flip, 10, key(7))
+
+
+def test_input_space_canaries_train_through_the_plan_and_are_detected_without_noise():
+    # Mislabelled canaries in a non-private run (noise_multiplier=0: epsilon = inf) through the
+    # plan's sampler (wrapped by the coin flip) and pipeline: the loss attack must see them.
+    from opake_fx.auditing import one_run
+    from opake_fx.optimizers import sgd
+    from opake_fx.plan import DPPlan
+    from opake_fx.transforms import apply_updates
+
+    g = torch.Generator().manual_seed(0)
+    n, d = 300, 300  # as many features as examples: a linear model can memorise a flipped label
+    x = torch.randn(n, d, generator=g) / d**0.5
+    y = (x[:, 0] > 0).long()
+    flip = coin_flip(n, 100, key(9))
+    y = mislabel(y, flip, 2, key(10))
+    plan = DPPlan(dataset_size=n, batch_size=60, steps=150, clipping_norm=10.0, noise_multiplier=0.0, delta=1e-5)
+
+    def loss(p, xi, yi):
+        return torch.nn.functional.cross_entropy((xi @ p)[None], yi[None])
+
+    pipeline = plan.pipeline(loss, sgd(30.0), key=key(11))
+    params = torch.zeros(d, 2)
+    state = pipeline.init(params)
+    for batch in flip.sampler(plan.sampler(range(n), key(12))):
+        updates, state = pipeline.update((x[batch], y[batch]), state, params)
+        params = apply_updates(params, updates)
+    idx = torch.as_tensor(flip.canary_indices)
+    per_example = lambda p, xb, yb: torch.nn.functional.cross_entropy(xb @ p, yb, reduction="none")  # noqa: E731
+    est = one_run(loss_scores(per_example, params, [x[idx], y[idx]], flip.canary_indices), flip)
+    assert est.attack_auc(bootstrap=0).auc > 0.8  # measured 0.868
+    assert est.epsilon_at(1e-5) > 0.5  # measured 1.02 (100 canaries: the ceiling is 2.50)
