@@ -393,6 +393,11 @@ class DPPlan:
         Gaussian: one participation per step, amplified. Cyclic Poisson: one participation
         per opportunity (``min_sep = bands``), amplified. ``b_min_sep`` / ``balls_in_bins``:
         participations at least ``min_sep`` apart, at most ``ceil(steps / min_sep)``.
+
+        Example:
+            >>> DPPlan(dataset_size=400, batch_size=20, steps=60, noise_multiplier=1.0, mechanism="blt",
+            ...        sampling="b_min_sep", min_sep=10).participation
+            Participation(steps=60, min_sep=10, max_participations=6, amplified=False)
         """
         if self.sampling in ("b_min_sep", "balls_in_bins"):
             return Participation(self.steps, self.min_sep, -(-self.steps // self.min_sep), amplified=False)
@@ -478,10 +483,7 @@ class DPPlan:
 
             if nm != self.noise_multiplier:
                 raise InputValueError("DPPlan: prefix accounting is for the plan's own noise multiplier.")
-            out = identity()
-            for cost in self._increments()[:n]:
-                out = compose(out, cost)
-            return out
+            return compose(*self._increments()[:n]) if n > 0 else identity()  # one call: linear, not quadratic
         return self._step(nm) * n
 
     def _opportunity(self, nm: float) -> Any:
