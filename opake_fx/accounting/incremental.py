@@ -5,7 +5,8 @@ far; ``pld.then(process)`` costs one convolution per pair, whatever came before,
 of ``T`` different steps costs ``O(T)`` convolutions instead of recomposing the whole
 history at every step (``O(T^2)``). Queries (``epsilon_at``, ``delta_at``, ...) read the
 kept PMFs and are cached on them. The :class:`~opake_fx.accounting.Accountant` keeps one
-for a PLD budget.
+for a PLD budget. ``state_dict()`` / ``from_state_dict()`` save and restore it exactly
+(the Accountant's checkpoints hold it, so a resumed run rounds as the uninterrupted one).
 
 Numerics (:func:`opake_fx.accounting._pmf.convolve`): full-length FFT convolution with a
 rounding bound of each bin's own order added (never an under-report), then a cut to the

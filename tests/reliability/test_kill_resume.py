@@ -6,8 +6,9 @@ step. Here it is killed — by itself at a chosen point (inside a save: the temp
 written, not yet renamed; or between the update and the save), or by this process at a
 random step — and restarted until it finishes. The final parameters must equal, bit for
 bit, those of a run that was never interrupted, every step must have used the same batch
-and the same noise (steps re-run after a kill included), the spent process must be the
-same and the spent epsilon the same up to the Accountant's running-composition rounding.
+and the same noise (steps re-run after a kill included), and the spent process and the
+spent epsilon must be the same, bit for bit (the checkpoint holds the Accountant's running
+composition).
 """
 
 from __future__ import annotations
@@ -116,11 +117,7 @@ def _assert_same(resumed: dict, reference: dict) -> None:
         assert got["log"] == ref["log"]  # the same batch, noise and parameters at every step
         assert_trees_equal(got["params"], ref["params"])
         assert got["spent"] == ref["spent"]  # every step accounted, exactly once
-        # The Accountant reads epsilon off a running composition whose rounding depends on the
-        # order of its convolutions, and its state_dict holds the spent process only: a resumed
-        # run agrees to the Accountant's documented ~1e-7, not bit for bit (see
-        # test_serialization.test_spent_epsilon_after_a_resume_is_bit_identical).
-        assert got["epsilon"] == pytest.approx(ref["epsilon"], rel=1e-7)
+        assert got["epsilon"] == ref["epsilon"]  # the running composition resumed bit for bit
 
 
 @pytest.mark.slow  # ~20 s each: every restart pays torch's first-backward imports again
