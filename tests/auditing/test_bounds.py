@@ -98,3 +98,27 @@ def test_fdp_bound_agrees_with_jax_privacys_epsilon_search():
 
     reference = scipy.optimize.brentq(rejects, 0.1, 50.0, xtol=1e-8)
     assert bounds.epsilon_one_run_fdp(m, k, c, significance=alpha, delta=delta) == pytest.approx(reference, abs=1e-4)
+
+
+def test_one_run_test_is_sound_for_an_eps_delta_mechanism():
+    # With probability delta the coin is revealed outright, otherwise eps-randomised response:
+    # (eps, delta)-DP per canary. The delta term must cover the extra right guesses.
+    rng = np.random.default_rng(2)
+    eps, delta, alpha, runs, m = 1.0, 1e-3, 0.1, 2000, 100
+    p_right = delta + (1 - delta) * scipy.special.expit(eps)
+    correct = rng.binomial(m, p_right, size=runs)
+    values, counts = np.unique(correct, return_counts=True)
+    rejected = np.array([bounds.epsilon_one_run(m, m, int(c), significance=alpha, delta=delta) > eps for c in values])
+    rejections = int(counts[rejected].sum())  # measured 142 of 2000
+    assert scipy.stats.binom.ppf(1e-4, runs, 0.03) <= rejections <= scipy.stats.binom.ppf(1 - 1e-4, runs, alpha)
+
+
+def test_the_statistics_import_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from opake_fx.auditing import CanaryScoreAuditor, OneRunEstimate, bounds, "
+            "perfect_attack_ceiling; CanaryScoreAuditor([1.0, 2.0], [0.0]).epsilon_clopper_pearson(); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
