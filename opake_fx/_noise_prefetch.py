@@ -104,7 +104,7 @@ class NoisePrefetcher:
             raise InputValueError(f"prefetch must be True, False or None (auto); got {enabled!r}.")
         self.enabled = enabled
         self._lock = threading.Lock()
-        self._pending: tuple[_Signature, Any] | None = None
+        self._pending: tuple[_Signature, Any, int] | None = None
         self._streams: dict[torch.device, Any] = {}
         self._last: tuple[Any, float] | None = None
         self.hits = 0
@@ -116,6 +116,8 @@ class NoisePrefetcher:
         with self._lock:
             pending, self._pending = self._pending, None
         self._last = signature[1:]
+        if pending is not None and pending[2] != os.getpid():
+            pending = None  # started before a fork: no thread of this process will finish it
         if pending is not None and pending[0] == signature:
             result = _collect(pending[1])
             self.hits += 1
@@ -152,7 +154,7 @@ class NoisePrefetcher:
         else:
             job = self._on_side_stream(next(iter(devices)), step_key, specs, stddev)
         with self._lock:
-            old, self._pending = self._pending, (signature, job)
+            old, self._pending = self._pending, (signature, job, os.getpid())
         _drop(old)
 
     def discard(self) -> None:
@@ -226,8 +228,8 @@ def _collect(job: Any) -> Draw:
     return job.result
 
 
-def _drop(pending: tuple[_Signature, Any] | None) -> None:
-    if pending is not None and isinstance(pending[1], Future):
+def _drop(pending: tuple[_Signature, Any, int] | None) -> None:
+    if pending is not None and isinstance(pending[1], Future) and pending[2] == os.getpid():
         pending[1].cancel()  # a draw already running finishes and is garbage-collected unused
 
 
@@ -242,6 +244,16 @@ def _executor() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(1, thread_name_prefix="opake_fx-noise-prefetch")
         return _pool
+
+
+def _forget_pool_in_child() -> None:
+    # A forked child inherits the executor object but not its thread: work submitted to it
+    # would never run. The child starts its own on first use.
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 def _usable_cores() -> int:

@@ -178,3 +178,32 @@ def test_the_chain_stage_takes_the_switch() -> None:
     for w in want:
         out, state = stage.update(ClippedPytree(BIG, max_norm=0.5), state)
         assert _same(list(out.pytree), w)
+
+
+def _noise_in_child(queue, inherited_fn, inherited_state) -> None:
+    # the parent's stage, whose pending draw belongs to a thread the child does not have
+    out, _ = inherited_fn(ClippedPytree(BIG, max_norm=0.5), inherited_state)
+    queue.put(float(out.pytree[0].double().sum()))
+    noise_fn, state = gaussian_noise(noise_multiplier=1.3, key=key(11), prefetch=True)  # a new one
+    for _ in range(2):
+        out, state = noise_fn(ClippedPytree(BIG, max_norm=0.5), state)
+    queue.put(float(out.pytree[0].double().sum()))
+
+
+def test_a_forked_child_draws_its_own_noise_and_does_not_hang() -> None:
+    import multiprocessing
+
+    noise_fn, state = gaussian_noise(noise_multiplier=1.3, key=key(11), prefetch=True)
+    out, state = noise_fn(ClippedPytree(BIG, max_norm=0.5), state)  # the parent's thread and a pending draw exist
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_noise_in_child, args=(queue, noise_fn, state))
+    child.start()
+    child.join(timeout=60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive and child.exitcode == 0
+    want, _ = _run(False, 2)
+    assert queue.get(timeout=5) == float(want[1][0].double().sum())  # step 1 of the inherited stage
+    assert queue.get(timeout=5) == float(want[1][0].double().sum())  # step 1 of the child's own
