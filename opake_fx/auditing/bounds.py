@@ -46,7 +46,6 @@ __all__ = [
 ]
 
 _norm = scipy.stats.norm
-_binom = scipy.stats.binom
 _EPS_CAP = 200.0  # epsilons are searched in [0, _EPS_CAP]; a bound at the cap means "beyond it"
 _MU_CAP = 40.0
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from opake_fx.auditing.canaries import CoinFlip, DiracCanaries, coin_flip, dirac_canaries
+from opake_fx.auditing.canaries import CoinFlip, coin_flip, dirac_canaries
 from opake_fx.auditing.single_run import OneRunEstimate, one_run
 from opake_fx.auditing.scores import canary_scores
 from opake_fx.auditing.two_sample import CanaryScoreAuditor
@@ -244,5 +244,3 @@ def _progress(total: int, enabled: bool) -> Callable[[int | None], None]:
     bar = tqdm(total=total, desc="audit", leave=False)
     return lambda k: bar.close() if k is None else bar.update(k)
 
-
-_ = DiracCanaries  # re-exported by the package; referenced here for the docstring's types

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import scipy.special
 import scipy.stats
 
 from opake_fx.auditing import bounds

@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import scipy.special
 import scipy.stats
 
 from opake_fx.auditing import bounds
