@@ -493,7 +493,8 @@ class DPPlan:
         # noise is scaled to the sensitivity under the plan's participation, which the accounting reads too
         p = self.participation
         sens = self.strategy.sensitivity(p.min_sep, p.max_participations, n=p.steps)
-        return mf_acc.poisson_steps(nm, self.strategy, self.group_rate, partitions=self.bands, noise_sensitivity=sens)[0]
+        steps = mf_acc.poisson_steps(nm, self.strategy, self.group_rate, partitions=self.bands, noise_sensitivity=sens)
+        return steps[0]
 
     def _increments(self) -> list[Any]:
         """Per-step costs of a pattern-accounted (b-min-sep / balls-in-bins) plan, built once."""

@@ -198,7 +198,8 @@ def test_a_dpftrl_plan_trains_and_its_accountant_spends_the_whole_run_value_comp
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
-        ({"sampling": "poisson"}, r"mechanism='band_mf' takes sampling in \('cyclic_poisson', 'b_min_sep', 'balls_in_bins'\)"),
+        ({"sampling": "poisson"},
+         r"mechanism='band_mf' takes sampling in \('cyclic_poisson', 'b_min_sep', 'balls_in_bins'\)"),
         ({"bands": None}, "needs bands"),
         ({"batch_size": 300}, "exceeds dataset_size"),
         ({"mechanism": "gaussian"}, "does not go with mechanism='gaussian'.*valid pairs are gaussian: poisson"),
