@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Any
@@ -379,6 +380,16 @@ _CPU_CHUNK = 1 << 20
 _PARALLEL_MIN_CHUNKS = 4
 _pool: Any = None
 _pool_size = 0
+
+
+def _forget_pool_in_child() -> None:
+    # A forked child inherits the pool object but not its threads: a draw mapped onto it
+    # would wait forever. The child builds its own pool on its first large draw.
+    global _pool, _pool_size
+    _pool, _pool_size = None, 0
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 def _keyed_randn(k: RngKey, n: int, dtype: torch.dtype, device: torch.device, stddev: float = 1.0) -> torch.Tensor:
