@@ -294,8 +294,8 @@ class Accountant:
             >>> import opake_fx.accounting as acc
             >>> import opake_fx.dpsgd.accounting as dpsgd_acc
             >>> step = dpsgd_acc.poisson(dpsgd_acc.gaussian(1.0), 0.01)
-            >>> acct = acc.Accountant(acc.epsilon_budget(2.0, delta=1e-5))
-            >>> for _ in range(5):
+            >>> acct = acc.Accountant(acc.epsilon_budget(2.0, delta=1e-5, discretization=1e-3))
+            >>> for _ in range(3):
             ...     acct.step(step)
             >>> sorted(acct.state_dict())
             ['budget', 'spent', 'version']
