@@ -155,8 +155,11 @@ class IncrementalPld:
         """The composition :meth:`state_dict` described, bit for bit.
 
         Only the form is checked (non-negative finite masses, a known neighbouring
-        relation, ...): the values are trusted to come from :meth:`state_dict`, e.g. from
-        a checksummed checkpoint. A hand-made state can under-report privacy.
+        relation, ...).
+
+        Privacy: the values are trusted to come from :meth:`state_dict` of the same run
+        (e.g. through a checksummed checkpoint, as the Accountant's are): a hand-made or
+        altered state can under-report privacy.
 
         Raises:
             InputValueError: a missing or extra field, or a field of the wrong form,
