@@ -30,17 +30,18 @@ import torch
 from opake_fx.errors import InputValueError
 from opake_fx.random import RngKey, flat_tree_normal, fold_in
 
-MAX_STEPS = 2**64  # fold_in(key, step) is distinct for every step below this
-
 __all__ = ["NoisePrefetcher", "PREFETCH_MIN_VALUES", "prefetch_by_default"]
 
-PREFETCH_MIN_VALUES = 1 << 18
-"""Below this many noise values a CPU draw takes less than a thread hand-off saves.
+MAX_STEPS = 2**64  # fold_in(key, step) is distinct for every step below this
 
-Measured inside training steps on 2 cores (``benchmarks/clipping.py``): a 1.4k-parameter
-MLP step went from 1.4 ms to 3.6 ms with a background draw (the hand-off and the GIL
-round trip cost more than the 10 us draw), while 0.8M-1.3M-parameter LM and
-embedding-bag steps gained.
+PREFETCH_MIN_VALUES = 1 << 18
+"""Below this many noise values a CPU draw takes less than a thread hand-off costs.
+
+Measured inside training steps on 2 shared cores: a 1.4k-parameter MLP step went from
+1.4 ms to 3.6 ms with a background draw (the hand-off and the GIL round trip cost more
+than the 10 us draw). Above it the evidence is thin (docs/performance.md): one A/B at a
+load of about 2 gave the 1.28M-parameter embedding-bag step 154 -> 144 ms and the
+0.8M-parameter LM step 56.5 -> 56.2 ms; runs at a load of 10 were inconclusive.
 """
 
 Draw = tuple[list[torch.Tensor], list[torch.Tensor]]
