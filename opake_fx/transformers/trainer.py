@@ -33,7 +33,7 @@ from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from opake_fx.distributed import all_reduce, get_rank, get_world_size, is_distributed
-from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.errors import BudgetExceededError, InputTypeError, InputValueError
 from opake_fx.functional import FunctionalModel, make_functional, with_batch_dim
 from opake_fx.plan import DPPlan
 from opake_fx.random import fold_in, key
@@ -196,7 +196,8 @@ class DPTrainer(transformers.Trainer):
             self._check_same_plan(resume_from_checkpoint, plan)
             fmodel.load_into_model(params)
         self.accountant = accountant
-        self._dp = {"plan": plan, "seed": seed, "rank": rank, "sampler": sampler}
+        self._dp = {"plan": plan, "seed": seed, "rank": rank, "sampler": sampler, "params": params, "state": state,
+                    "step": start_step}
 
         # Hugging Face's state and callbacks
         if resume_from_checkpoint is not None and os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
@@ -218,23 +219,23 @@ class DPTrainer(transformers.Trainer):
         start_time = time.time()
         loss_sum, loss_count, last_loss = 0.0, 0, float("nan")
         stopped_by_budget = False
-        offset = self._dp.get("offset", 0)
         for step in range(start_step, plan.steps):
-            cost = plan.step_cost_at(step) if accountant is not None else None
-            if accountant is not None and accountant.would_exceed(cost):
-                logger.warning("DPTrainer: stopping before step %d: it would exceed the privacy budget.", step + 1)
-                stopped_by_budget = True
-                break
+            if accountant is not None:
+                try:  # charged before the step is computed; refused (and not recorded) beyond the budget
+                    accountant.step(plan.step_cost_at(step))
+                except BudgetExceededError:
+                    logger.warning("DPTrainer: stopping before step %d: it would exceed the privacy budget.", step + 1)
+                    stopped_by_budget = True
+                    break
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-            indices = [offset + i for i in sampler.batch(step)]
+            model.train()  # an evaluation in between leaves the model in eval mode
+            indices = list(sampler.batch(step))  # indices of the whole data set (the plan's sampler offsets shards)
             batch = self._prepare_inputs(collate(indices))
             keys = tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor)))
             tensors = tuple(batch[k] for k in keys)
             if self._will_log(step + 1):
                 s, c = _loss_sum(losses, fmodel, params, {k: batch[k] for k in keys})
                 loss_sum, loss_count = loss_sum + s, loss_count + c
-            if accountant is not None:
-                accountant.step(cost)
             updates, state = pipeline_for(keys).update(tensors, state, params)
             params = apply_updates(params, updates)
             fmodel.load_into_model(params)
@@ -250,7 +251,10 @@ class DPTrainer(transformers.Trainer):
                 loss_sum, loss_count = 0.0, 0
                 self.log(logs, start_time)
             if self.control.should_evaluate:
-                self._evaluate(trial, ignore_keys_for_eval)
+                metrics = self._evaluate(trial, ignore_keys_for_eval)
+                is_best = self._determine_best_metric(metrics=metrics, trial=trial)
+                if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+                    self.control.should_save = is_best
             if self.control.should_save:
                 self._save_checkpoint(model, trial)
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
@@ -335,7 +339,6 @@ class DPTrainer(transformers.Trainer):
         if self.args.sampling_mode == "sequential":
             from opake_fx.dpsgd.sampling import SequentialBatchSampler
 
-            self._dp["offset"] = 0
             return SequentialBatchSampler(len(dataset), batch_size=self.args.per_device_train_batch_size,
                                           n_steps=plan.steps, drop_last=self.args.dataloader_drop_last)
         return plan.sampler(dataset, sampler_key, rank=rank, world_size=world)
@@ -380,7 +383,7 @@ class DPTrainer(transformers.Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         dp = self._dp
-        if not dp or "state" not in dp:
+        if not dp:
             return
         os.makedirs(output_dir, exist_ok=True)
         inner = getattr(dp["sampler"], "inner", dp["sampler"])
