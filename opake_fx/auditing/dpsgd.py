@@ -103,6 +103,7 @@ def audit_dpsgd(
     canary_norm: float | None = None,
     significance: float = 0.05,
     pipeline: Callable[..., Any] | None = None,
+    sampler: Callable[..., Any] | None = None,
     progress: bool = False,
 ) -> AuditResult:
     """Trains once with Dirac canaries and returns the empirical epsilon lower bound and the accountant's.
@@ -130,6 +131,10 @@ def audit_dpsgd(
         pipeline: ``pipeline(plan, loss_fn, optimizer, key) -> Transform`` building the
             training pipeline (default ``plan.pipeline(loss_fn, optimizer, key=key,
             batch_argnums=...)``): the hook to audit your own pipeline against the plan's accountant.
+        sampler: ``sampler(plan, slots, key) -> batch sampler`` over ``slots`` (a
+            ``range`` of all ``dataset_size`` slots; default ``plan.sampler(slots, key)``):
+            the hook to audit your own batch sampler. Excluded canaries are dropped
+            from its batches either way.
         progress: show a progress bar (tqdm if installed, else a line on stderr).
 
     Returns:
@@ -184,11 +189,13 @@ def audit_dpsgd(
     # The whole planned run is charged before it starts (one composition instead of one per
     # step; the accountant refuses it up front if it exceeds the budget).
     accountant.step(plan.step_cost * plan.steps)
-    sampler = flip.sampler(plan.sampler(range(total), k_sampler))
+    slots = range(total)
+    inner = plan.sampler(slots, k_sampler) if sampler is None else sampler(plan, slots, k_sampler)
+    batches = flip.sampler(inner)
     slot_to_canary = np.full(total, -1, dtype=np.int64)
     slot_to_canary[flip.canary_indices] = np.arange(m)
-    bar = _progress(len(sampler), progress)
-    for batch in sampler:
+    bar = _progress(len(batches), progress)
+    for batch in batches:
         idx = torch.as_tensor(batch, dtype=torch.int64)
         which = torch.zeros((len(batch), m), dtype=dtype)
         c = torch.as_tensor(slot_to_canary[np.asarray(batch, dtype=np.int64)]) if batch else torch.zeros(0, dtype=torch.int64)

@@ -45,6 +45,13 @@ def _no_clipping(plan, loss_fn, optimizer, k):
     return broken.pipeline(loss_fn, optimizer, key=k, batch_argnums=(1, 2, 3))
 
 
+def _rate_too_high(plan, slots, k):
+    """The bug: the sampler draws at 5x the rate the plan (and so the accountant) assumes."""
+    from opake_fx.dpsgd.sampling import PoissonSampler
+
+    return PoissonSampler(slots, sample_rate=5 * plan.sample_rate, n_steps=plan.steps, key=k)
+
+
 RUN = dict(num_canaries=1000, sample_rate=0.1, steps=100, target_epsilon=8.0, delta=1e-5)
 
 
@@ -61,9 +68,10 @@ def test_a_correct_run_at_epsilon_8_audits_below_8_and_above_0():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("broken", [_no_noise, _no_clipping], ids=["noise_removed", "clipping_skipped"])
+@pytest.mark.parametrize("broken", [{"pipeline": _no_noise}, {"pipeline": _no_clipping}, {"sampler": _rate_too_high}],
+                         ids=["noise_removed", "clipping_skipped", "sample_rate_5x"])
 def test_a_broken_mechanism_accounted_as_correct_audits_far_above_8(broken):
-    r = audit_dpsgd(_loss, _params(), _data(), key=key(1), pipeline=broken, **RUN)
+    r = audit_dpsgd(_loss, _params(), _data(), key=key(1), **broken, **RUN)
     assert r.epsilon_accountant == pytest.approx(8.0, abs=1e-2)
     assert r.epsilon_lower > 16.0 and not r.consistent
     assert "CONTRADICTS" in str(r)
