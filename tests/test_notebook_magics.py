@@ -82,6 +82,8 @@ def test_pool_runs_cells_pulls_values_and_stops_cleanly(monkeypatch):
         with pytest.raises(RankError, match="rank 1 raised ZeroDivisionError") as info:
             pool.run_cell("x = 1 / (1 - rank)")
         assert info.value.rank == 1 and "<dist-cell-" in info.value.remote_traceback
+        with pytest.raises(RankError, match="rank 0 raised SystemExit"):  # ends the cell, not the rank
+            pool.run_cell("import sys\nsys.exit(3)", ranks=[0])
         assert pool.call(total_times_rank, 2.0) == {0: 6.0, 1: 6.0}
         # a script written for torchrun: init and destroy of the default group are the pool's
         pool.run_cell("dist.init_process_group(backend='gloo')\ndist.destroy_process_group()\nprint(dist.is_initialized())")

@@ -48,6 +48,8 @@ class _Signals:
         raise KeyboardInterrupt
 
     def after_send(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread runs the cell; the interrupt is raised there
         if self.pending and self.in_cell and not self.sending:
             self.pending = False
             raise KeyboardInterrupt
@@ -197,9 +199,8 @@ class _Worker:
                 self.signals.pending = False
                 for s in streams:
                     s.flush()
+                # SystemExit too: as in IPython, sys.exit() in a cell ends the cell, not the rank
                 self.link.send(("error", job, type(exc).__name__, str(exc), _user_traceback(exc)))
-                if isinstance(exc, SystemExit):
-                    return
                 continue
             self.signals.pending = False
             for s in streams:
