@@ -261,8 +261,9 @@ def main() -> None:
         import torch
         import torch.distributed as dist
 
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "auto":  # nccl needs one GPU per rank of this node
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "gloo"
         device = torch.device("cpu")
         if backend == "nccl":
             device = torch.device("cuda", local_rank)

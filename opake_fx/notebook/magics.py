@@ -42,7 +42,7 @@ class DistMagics(Magics):
 
     @magic_arguments()
     @argument("-n", "--nproc", type=int, default=2, help="number of ranks (torchrun --nproc-per-node)")
-    @argument("--backend", default="auto", choices=BACKENDS, help="process-group backend (auto: nccl with GPUs)")
+    @argument("--backend", default="auto", choices=BACKENDS, help="process-group backend (auto: nccl with a GPU per rank, else gloo)")
     @argument("--timeout", type=float, default=None, help="collective timeout in seconds (default: torch's)")
     @argument("--start-timeout", type=float, default=300.0, help="seconds to wait for the ranks to be ready")
     @line_magic

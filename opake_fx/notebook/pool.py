@@ -44,7 +44,7 @@ from opake_fx.notebook.errors import PoolBrokenError, PoolStartError, RankDiedEr
 
 __all__ = ["DistPool", "Echo", "BACKENDS"]
 
-#: The backends a pool may ask for; ``"auto"`` lets each rank pick nccl if it sees a GPU, else gloo.
+#: The backends a pool may ask for; ``"auto"``: nccl if there is a GPU for every rank, else gloo.
 BACKENDS = ("auto", "gloo", "nccl")
 
 #: ``echo(rank, stream, line)``: where the ranks' output goes (``stream`` is "stdout"/"stderr").
@@ -90,8 +90,8 @@ class DistPool:
 
     Args:
         nproc: number of ranks (``torchrun --nproc-per-node``), >= 1.
-        backend: ``"gloo"``, ``"nccl"`` or ``"auto"`` (each rank: nccl if it sees a GPU, else
-            gloo). With nccl, rank ``r`` uses ``cuda:r``.
+        backend: ``"gloo"``, ``"nccl"`` or ``"auto"`` (nccl if there is a GPU for every rank,
+            else gloo). With nccl, rank ``r`` uses ``cuda:r``.
         start_timeout: seconds to wait for every rank to be ready.
         collective_timeout: process-group timeout in seconds (None: torch's default).
         echo: receives each line the ranks print, ``echo(rank, stream, line)``; by default
