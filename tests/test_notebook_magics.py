@@ -14,6 +14,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -72,6 +73,8 @@ def test_pool_runs_cells_pulls_values_and_stops_cleanly(monkeypatch):
     pids = [pool.torchrun_pid, *pool.pids.values()]
     try:
         assert pool.state == "running" and sorted(pool.pids) == [0, 1]
+        with pytest.raises(ConnectionRefusedError):  # the kernel stopped listening once the ranks joined
+            socket.create_connection(pool.address, timeout=2)
         pool.run_cell("import torch, torch.distributed as dist\nt = torch.ones(2) * (rank + 1)\ndist.all_reduce(t)\nprint(t.tolist())")
         assert (0, "stdout", "[3.0, 3.0]\n") in lines and (1, "stdout", "[3.0, 3.0]\n") in lines
         pool.run_cell("import sys\nprint('to stderr', file=sys.stderr)\nrank * 10", ranks=[1])

@@ -154,6 +154,7 @@ class DistPool:
         self._log = open(self._log_path, "wb")
         self._secret = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), family="AF_INET", authkey=self._secret)
+        self.address: tuple[str, int] = self._listener.address  # where the kernel listens until all ranks joined
         self._proc: subprocess.Popen | None = None
         _LIVE.add(self)
         try:
@@ -165,7 +166,7 @@ class DistPool:
 
     # ------------------------------------------------------------------ lifecycle
     def _worker_env(self, collective_timeout: float | None) -> dict[str, str]:
-        host, port = self._listener.address
+        host, port = self.address
         env = dict(os.environ)
         env[_wire.ENV_ADDRESS] = f"{host}:{port}"
         env[_wire.ENV_AUTHKEY] = self._secret.hex()
@@ -210,6 +211,7 @@ class DistPool:
                 raise PoolStartError(f"unexpected rank {rank} of {world_size} (expected {self.nproc} ranks).")
             self._conns[rank] = conn
             self.pids[rank] = pid
+        self._listener.close()  # every rank is connected: nothing listens any more
         self._reader = threading.Thread(target=self._read_loop, daemon=True)
         self._reader.start()
         while len(self.devices) < self.nproc:
@@ -323,7 +325,7 @@ class DistPool:
             conn.close()
         if self._accepter is not None and self._accepter.is_alive():
             try:  # wake the accept() call; the handshake fails and the thread sees _closing
-                socket.create_connection(self._listener.address, timeout=1).close()
+                socket.create_connection(self.address, timeout=1).close()
             except OSError:
                 pass
             self._accepter.join(timeout=2)
