@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from opake_fx.dpsgd.clipping import (
@@ -213,3 +215,23 @@ def test_second_moment_microbatches_empty_batch_stage_and_refusals():
     assert isinstance(out, SecondMomentClippingOutput) and isinstance(out.grads, ClippedPytree)
     with pytest.raises(InputValueError, match="per-group"):
         clipped_grad(_loss, clipping_norm=per_group(params, all=(1.0, "*")), batch_argnums=(1, 2), second_moment=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    d=st.sampled_from([1, 2, 7, 300]),
+    scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e19, 1e30]),
+    c=st.floats(1e-3, 1e3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_squared_stream_bound_holds_in_floating_point(d, scale, c, dtype, seed):
+    # Gradients whose squares overflow float32 (1e19, 1e30) must not reach the squared sum:
+    # the square is taken of the clipped contribution, never of the raw gradient.
+    x = (torch.randn(2, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale).to(dtype)
+    g, s = clipped_grad(lambda p, xi: (p * xi).sum(), clipping_norm=c, second_moment=True)
+    for i in range(2):
+        out, _ = g(torch.zeros(d, dtype=dtype), x[i : i + 1], state=s)
+        sq = out.squared_grads.pytree.double()
+        assert bool(torch.isfinite(sq).all()) and float(sq.min()) >= 0.0
+        assert float(sq.norm()) <= c**2

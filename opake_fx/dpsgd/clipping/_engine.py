@@ -270,8 +270,10 @@ def clipped_step(
                 term = torch.tensordot(w, g_out, dims=([0], [0]))
                 sums[i] = term if sums[i] is None else sums[i].add_(term)
                 if cfg.second_moment:
-                    # ||(w g)^2||_2 <= ||w g||_2^2 <= C^2 per example; w^2 g^2 is that square.
-                    sq_term = torch.tensordot(w * w, g_out * g_out, dims=([0], [0]))
+                    # Square each example's clipped contribution w_i g_i (bounded by C), never g_i itself
+                    # (whose square can overflow): ||(w g)^2||_2 <= ||w g||_2^2 <= C^2 per example.
+                    clipped_ex = w.reshape(-1, *([1] * (g_out.dim() - 1))) * g_out
+                    sq_term = clipped_ex.square_().sum(dim=0)
                     sq_sums[i] = sq_term if sq_sums[i] is None else sq_sums[i].add_(sq_term)
         all_norms.append(norms)
         all_weights.append(weights)
