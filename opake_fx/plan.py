@@ -28,9 +28,9 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from numbers import Integral, Real
 from typing import Any
 
+import opake_fx.validation as check
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.random import RngKey, fold_in
 
@@ -168,9 +168,9 @@ class DPPlan:
     min_sep: int | None = None
 
     def __post_init__(self) -> None:
-        n = _int(self.dataset_size, "dataset_size", 1)
-        _choice(self.sampling, "sampling", SAMPLERS)
-        _choice(self.mechanism, "mechanism", MECHANISMS)
+        n = check.integer(self.dataset_size, "dataset_size", "DPPlan", minimum=1)
+        check.choice(self.sampling, "sampling", "DPPlan", SAMPLERS)
+        check.choice(self.mechanism, "mechanism", "DPPlan", MECHANISMS)
         if self.sampling not in COMPATIBLE[self.mechanism]:
             raise InputValueError(
                 f"DPPlan: sampling={self.sampling!r} does not go with mechanism={self.mechanism!r} (the plan has no "
@@ -183,13 +183,13 @@ class DPPlan:
             batch_size = n / min_sep  # every example once per cycle of min_sep bins
         q, b = _sampling(n, batch_size, self.sample_rate)
         steps, epochs = _length(q, self.steps, self.epochs)
-        c = _real(self.clipping_norm, "clipping_norm", "the per-example clip norm, e.g. 1.0")
+        c = check.real(self.clipping_norm, "clipping_norm", "DPPlan", "the per-example clip norm, e.g. 1.0")
         if not (c > 0 and math.isfinite(c)):
             raise InputValueError(f"DPPlan: clipping_norm must be finite and > 0; got {c}.")
         if min_sep is not None:
             self._check_min_sep(n, b, steps, min_sep)
         if self.mechanism in ("band_mf", "bsr"):
-            bands = _int(self.bands, "bands", 1) if self.bands is not None else None
+            bands = check.integer(self.bands, "bands", "DPPlan", minimum=1) if self.bands is not None else None
             if bands is None:
                 raise InputValueError(
                     f"DPPlan(mechanism={self.mechanism!r}) needs bands (e.g. 4): the strategy's band count."
@@ -205,19 +205,21 @@ class DPPlan:
                 f"DPPlan: bands applies to mechanism='band_mf' or 'bsr' only; mechanism={self.mechanism!r}."
             )
         object.__setattr__(self, "min_sep", min_sep)
-        _choice(self.clip_backend, "clip_backend", ("vmap", "ghost", "auto"))
-        _choice(self.accountant_kind, "accountant_kind", ("pld", "rdp"))
+        check.choice(self.clip_backend, "clip_backend", "DPPlan", ("vmap", "ghost", "auto"))
+        check.choice(self.accountant_kind, "accountant_kind", "DPPlan", ("pld", "rdp"))
         cap = None
         if self.sampling == "truncated_poisson":
             if self.max_batch_size is None:
                 raise InputValueError("DPPlan(sampling='truncated_poisson') needs max_batch_size (the batch cap).")
-            cap = _int(self.max_batch_size, "max_batch_size", 1)
+            cap = check.integer(self.max_batch_size, "max_batch_size", "DPPlan", minimum=1)
         elif self.max_batch_size is not None:
             raise InputValueError("DPPlan: max_batch_size applies to sampling='truncated_poisson' only.")
         for name, value in (("dataset_size", n), ("batch_size", b), ("sample_rate", q), ("steps", steps),
                             ("epochs", epochs), ("clipping_norm", c), ("max_batch_size", cap)):
             object.__setattr__(self, name, value)
-        delta = None if self.delta is None else _real(self.delta, "delta", "e.g. 1e-5, below 1 / dataset_size")
+        delta = None
+        if self.delta is not None:
+            delta = check.real(self.delta, "delta", "DPPlan", "e.g. 1e-5, below 1 / dataset_size")
         if delta is not None and not 0 < delta < 1:
             raise InputValueError(f"DPPlan: delta must be in (0, 1); got {delta}.")
         object.__setattr__(self, "delta", delta)
@@ -354,7 +356,7 @@ class DPPlan:
         (:func:`opake_fx.dpftrl.accounting.mf_gaussian_steps` under :attr:`participation`).
         In every case the increments compose to the whole run.
         """
-        t = _int(step, "step", 0)
+        t = check.integer(step, "step", "DPPlan", minimum=0)
         if t >= self.steps:
             raise InputValueError(f"DPPlan.step_cost_at: step must be < steps={self.steps}; got {t}.")
         if self.noise_multiplier == 0:
@@ -456,7 +458,7 @@ class DPPlan:
             inf
         """
         delta = self._need_delta("epsilon")
-        n = self.steps if steps is None else _int(steps, "steps", 0)
+        n = self.steps if steps is None else check.integer(steps, "steps", "DPPlan", minimum=0)
         if n > self.steps:
             raise InputValueError(f"DPPlan.epsilon: the plan has {self.steps} steps; got steps={n}.")
         if self.noise_multiplier == 0:
@@ -515,7 +517,7 @@ class DPPlan:
                     f"DPPlan(sampling={self.sampling!r}) needs min_sep: the fewest steps between two participations "
                     "of one example (for balls_in_bins: the number of bins, dataset_size / batch_size)."
                 )
-            return _int(self.min_sep, "min_sep", 1)
+            return check.integer(self.min_sep, "min_sep", "DPPlan", minimum=1)
         if self.min_sep is not None:
             raise InputValueError(
                 f"DPPlan: min_sep applies to sampling='b_min_sep' or 'balls_in_bins' only; sampling={self.sampling!r}."
@@ -559,7 +561,7 @@ class DPPlan:
 
         nm = self.noise_multiplier
         if nm is not None:
-            nm = _real(nm, "noise_multiplier", "sigma >= 0 (0: a non-private baseline)")
+            nm = check.real(nm, "noise_multiplier", "DPPlan", "sigma >= 0 (0: a non-private baseline)")
             if not (nm >= 0 and math.isfinite(nm)):
                 raise InputValueError(f"DPPlan: noise_multiplier must be finite and >= 0; got {nm}.")
         if self.target_epsilon is None:
@@ -569,7 +571,7 @@ class DPPlan:
                     "or noise_multiplier (0 for an explicit non-private baseline)."
                 )
             return nm
-        eps = _real(self.target_epsilon, "target_epsilon", "the epsilon to spend, e.g. 3.0")
+        eps = check.real(self.target_epsilon, "target_epsilon", "DPPlan", "the epsilon to spend, e.g. 3.0")
         if not (eps > 0 and math.isfinite(eps)):
             raise InputValueError(f"DPPlan: target_epsilon must be finite and > 0; got {eps}.")
         object.__setattr__(self, "target_epsilon", eps)
@@ -619,16 +621,15 @@ def _sampling(n: int, batch_size: Any, sample_rate: Any) -> tuple[float, float]:
     if batch_size is None and sample_rate is None:
         raise InputValueError("DPPlan needs batch_size (the expected batch size) or sample_rate.")
     if sample_rate is not None:
-        q = _real(sample_rate, "sample_rate", "a probability in (0, 1]")
-        if not 0 < q <= 1:
-            raise InputValueError(f"DPPlan: sample_rate must be in (0, 1]; got {q}.")
-        if batch_size is not None and not math.isclose(_real(batch_size, "batch_size", ""), q * n, rel_tol=1e-9):
+        q = check.probability(sample_rate, "sample_rate", "DPPlan")
+        given = None if batch_size is None else check.real(batch_size, "batch_size", "DPPlan")
+        if given is not None and not math.isclose(given, q * n, rel_tol=1e-9):
             raise InputValueError(
                 f"DPPlan: batch_size={batch_size} and sample_rate={q} disagree (sample_rate * dataset_size = {q * n}); "
                 "give one of them."
             )
         return q, q * n
-    b = _real(batch_size, "batch_size", "the expected number of examples per batch")
+    b = check.real(batch_size, "batch_size", "DPPlan", "the expected number of examples per batch")
     if not 0 < b <= n:
         raise InputValueError(f"DPPlan: batch_size must be in (0, dataset_size={n}]; got {b}.")
     return b / n, b
@@ -638,39 +639,17 @@ def _length(q: float, steps: Any, epochs: Any) -> tuple[int, float]:
     if steps is None and epochs is None:
         raise InputValueError("DPPlan needs steps or epochs (expected passes over the data).")
     if steps is not None:
-        t = _int(steps, "steps", 1)
-        if epochs is not None and not math.isclose(_real(epochs, "epochs", ""), t * q, rel_tol=1e-9):
+        t = check.integer(steps, "steps", "DPPlan", minimum=1)
+        if epochs is not None and not math.isclose(check.real(epochs, "epochs", "DPPlan"), t * q, rel_tol=1e-9):
             raise InputValueError(
                 f"DPPlan: steps={t} and epochs={epochs} disagree (steps * sample_rate = {t * q}); give one of them."
             )
         return t, t * q
-    e = _real(epochs, "epochs", "expected passes over the data")
+    e = check.real(epochs, "epochs", "DPPlan", "expected passes over the data")
     if not (e > 0 and math.isfinite(e)):
         raise InputValueError(f"DPPlan: epochs must be finite and > 0; got {e}.")
     t = max(1, int(round(e / q)))
     return t, t * q
-
-
-def _real(value: Any, name: str, hint: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise InputTypeError(f"DPPlan: {name} must be a real number ({hint}); got {type(value).__name__} {value!r}.")
-    out = float(value)
-    if math.isnan(out):
-        raise InputValueError(f"DPPlan: {name} is NaN; pass {hint}.")
-    return out
-
-
-def _int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise InputTypeError(f"DPPlan: {name} must be an int >= {minimum}; got {type(value).__name__} {value!r}.")
-    if int(value) < minimum:
-        raise InputValueError(f"DPPlan: {name} must be >= {minimum}; got {value}.")
-    return int(value)
-
-
-def _choice(value: Any, name: str, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise InputValueError(f"DPPlan: {name} must be one of {options}; got {value!r}.")
 
 
 def _pairs() -> str:

@@ -33,7 +33,7 @@ from numbers import Integral, Real
 from typing import Any
 
 from opake_fx._typecheck import typechecked
-from opake_fx.accounting import _validation as check
+import opake_fx.validation as check
 from opake_fx.accounting.budgets import Budget
 from opake_fx.accounting.process import DpProcess
 from opake_fx.errors import CalibrationError, InputTypeError, InputValueError

@@ -34,7 +34,7 @@ from typing import Any
 
 from opake_fx._typecheck import typechecked
 from opake_fx.accounting import _pmf
-from opake_fx.accounting import _validation as check
+import opake_fx.validation as check
 from opake_fx.accounting.pld import DEFAULT_DISCRETIZATION, PrivacyLossDistribution, pmfs_of
 from opake_fx.accounting.process import ADD_OR_REMOVE_ONE, REPLACE_ONE, DpProcess
 from opake_fx.errors import InputTypeError, InputValueError
