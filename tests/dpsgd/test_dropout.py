@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opake_fx.dpsgd.clipping import _ghost, _layers, clipped_grad
+from opake_fx.dpsgd.clipping import _ghost, _rules_fallback, clipped_grad
 from opake_fx.functional import make_functional
 from tests.dpsgd.test_ghost_clipping import count_calls
 
@@ -76,7 +76,7 @@ def test_each_example_draws_its_own_masks_and_stays_bounded(name: str, backend: 
 
 
 def test_attention_dropout_keeps_the_self_attention_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    module_calls = count_calls(monkeypatch, _layers, "module_per_example")
+    module_calls = count_calls(monkeypatch, _rules_fallback, "module_per_example")
     whole_calls = count_calls(monkeypatch, _ghost, "_whole_loss_per_example")
     run("attention dropout", "auto")
     assert module_calls[0] == 0 and whole_calls[0] == 0

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from opake_fx.dpsgd.clipping import _ghost, _layers
+from opake_fx.dpsgd.clipping import _ghost, _rules_attention, _rules_fallback
 from tests.dpsgd.test_ghost_clipping import check, count_calls
 
 B, T, D, H = 5, 6, 8, 2
@@ -56,7 +56,7 @@ def per_head_mask(x: torch.Tensor) -> torch.Tensor:
 @pytest.fixture
 def fallbacks(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
     return {
-        "module": count_calls(monkeypatch, _layers, "module_per_example"),
+        "module": count_calls(monkeypatch, _rules_fallback, "module_per_example"),
         "whole": count_calls(monkeypatch, _ghost, "_whole_loss_per_example"),
     }
 
@@ -221,7 +221,7 @@ def test_attention_dropout_in_training_uses_the_rule(monkeypatch: pytest.MonkeyP
 
 def test_attention_dropout_check_failing_sends_the_call_to_the_fallback(monkeypatch: pytest.MonkeyPatch,
                                                                         fallbacks: dict[str, list[int]]) -> None:
-    monkeypatch.setattr(_ghost, "_same_output", lambda ours, ref: False)
+    monkeypatch.setattr(_rules_attention, "_same_output", lambda ours, ref: False)
     torch.manual_seed(8)
     model = SelfAttention({"attn_mask": causal_float, "is_causal": True}, dropout=0.25).eval()
     x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from opake_fx.dpsgd.clipping import _ghost, _layers, adaptive_clipped_grad, auto_clipped_grad, clipped_grad, per_group
+from opake_fx.dpsgd.clipping import _ghost, _rules_fallback, adaptive_clipped_grad, auto_clipped_grad, clipped_grad, per_group
 from opake_fx.errors import InputValueError, OperationError, SlowPathWarning
 from opake_fx.functional import make_functional
 from opake_fx.random import key
@@ -66,7 +66,7 @@ def test_custom_module_uses_the_module_fallback_only_for_its_parameters(monkeypa
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), ScaleShift(5), nn.PReLU(), nn.Linear(5, 2))
     x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
-    module_calls = count_calls(monkeypatch, _layers, "module_per_example")
+    module_calls = count_calls(monkeypatch, _rules_fallback, "module_per_example")
     whole_calls = count_calls(monkeypatch, _ghost, "_whole_loss_per_example")
     check(model, x, y)
     assert module_calls[0] == 4  # ScaleShift and PReLU, for each of the two backends
@@ -88,7 +88,7 @@ def test_multihead_attention_fallback_covers_out_proj(monkeypatch: pytest.Monkey
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.head(self.mha(x, x, x, need_weights=True)[0]).squeeze(-1)
 
-    module_calls = count_calls(monkeypatch, _layers, "module_per_example")
+    module_calls = count_calls(monkeypatch, _rules_fallback, "module_per_example")
     x, y = torch.randn(5, 4, 8, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
     check(Attn(), x, y)
     assert module_calls[0] == 2  # once per backend

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from torch import nn
 
-from opake_fx.dpsgd.clipping import _ghost, _layers
+from opake_fx.dpsgd.clipping import _ghost, _rules_fallback
 from opake_fx.dpsgd.clipping import clipped_grad
 from opake_fx.errors import OpakeError, SlowPathWarning
 from opake_fx.functional import make_functional
@@ -109,7 +109,7 @@ def assert_exact(model: nn.Module, xs: tuple[torch.Tensor, ...], backend: str, m
     def fail(*a: Any, **k: Any) -> None:
         raise AssertionError("the embedding bag went to a vmap fallback")
 
-    monkeypatch.setattr(_layers, "module_per_example", fail)
+    monkeypatch.setattr(_rules_fallback, "module_per_example", fail)
     monkeypatch.setattr(_ghost, "_whole_loss_per_example", fail)
     fn, state = clipped_grad(loss, clipping_norm=c, batch_argnums=(1, 2, 3), return_aux=True, clip_backend=backend,
                              model=fmodel)
@@ -182,7 +182,7 @@ def test_flat_rule_matches_autograd_per_bag(cfg: dict, include_last: bool, b: in
     # The rule on the flat form (ids [N], offsets; empty bags, padding inside bags, N == B for
     # some draws) against autograd of g_b . out_b for each bag b alone: per-example gradients,
     # certified norms (an upper bound within 1e-12) and the weighted sum.
-    from opake_fx.dpsgd.clipping import _embedding_bag as EB
+    from opake_fx.dpsgd.clipping import _rules_embedding as EB
 
     torch.manual_seed(7)
     module = nn.EmbeddingBag(VOCAB, DIM, mode=cfg["mode"], padding_idx=cfg["padding_idx"],
@@ -196,8 +196,8 @@ def test_flat_rule_matches_autograd_per_bag(cfg: dict, include_last: bool, b: in
     psw = w[keep] if cfg["weighted"] else None
     out = module(ids[keep], offsets, per_sample_weights=psw)
     g = torch.randn(b, DIM, dtype=torch.float64)
-    kind, saved, _ = EB.route(module, (ids[keep], offsets), {"per_sample_weights": psw}, out)
-    assert kind == EB.KIND
+    saved = EB.EMBEDDING_BAG.route(module, (ids[keep], offsets), {"per_sample_weights": psw}, out)
+    assert saved is not None
     rule = EB.bag_grad(saved, g, module, torch.float64, keep_tokens=True)
     want = torch.stack([torch.autograd.grad((out[i] * g[i]).sum(), module.weight, retain_graph=True)[0]
                         for i in range(b)])

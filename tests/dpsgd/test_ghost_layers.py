@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from torch import nn
 
-from opake_fx.dpsgd.clipping import _ghost, _layers
+from opake_fx.dpsgd.clipping import _ghost, _numerics, _rules_embedding, _rules_fallback, _rules_linear
 from opake_fx.dpsgd.clipping import clipped_grad
 from opake_fx.functional import make_functional
 
@@ -51,7 +51,7 @@ def run_backend(backend: str, batched: Callable[..., torch.Tensor], fmodel: Any,
     else:
         if backend == "auto-pe":
             assert monkeypatch is not None
-            monkeypatch.setattr(_layers, "choose_method", lambda mode, t, d_in, d_out: "pe")
+            monkeypatch.setattr(_rules_linear, "choose_method", lambda mode, t, d_in, d_out: "pe")
         fn, state = clipped_grad(
             batched, clipping_norm=c, batch_argnums=(1, 2), return_aux=True,
             clip_backend="auto" if backend == "auto-pe" else backend, model=fmodel, **kw,
@@ -86,7 +86,7 @@ def forbid_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("a supported layer went to a vmap fallback")
 
     monkeypatch.setattr(_ghost, "_whole_loss_per_example", fail)
-    monkeypatch.setattr(_layers, "module_per_example", fail)
+    monkeypatch.setattr(_rules_fallback, "module_per_example", fail)
 
 
 def mse(fmodel: Any) -> Callable[..., torch.Tensor]:
@@ -134,7 +134,7 @@ def test_linear_ghost_and_per_example_norms_agree(t: int, d_in: int, d_out: int,
     g = torch.randn(batch, t, d_out, dtype=torch.float64)
     lin = nn.Linear(d_in, d_out).double()
     names = {"weight": "weight", "bias": "bias"}
-    ghost = _layers.linear_grad(lin, a, g, names, "ghost", torch.float64)
+    ghost = _rules_linear.linear_grad(lin, a, g, names, "ghost", torch.float64)
     pe = torch.einsum("bto,bti->boi", g, a)
     torch.testing.assert_close(ghost.sq_norm("weight"), (pe**2).sum((1, 2)), rtol=1e-10, atol=0)
     w = torch.rand(batch, dtype=torch.float64)
@@ -172,7 +172,7 @@ def test_embedding_never_builds_a_vocab_sized_batch(monkeypatch: pytest.MonkeyPa
     emb = nn.Embedding(100_000, 8).double()
     ids = torch.randint(0, 100_000, (16, 5))
     g = torch.randn(16, 5, 8, dtype=torch.float64)
-    rule = _layers.EmbeddingGrad(ids, g, emb, torch.float64)
+    rule = _rules_embedding.EmbeddingGrad(ids, g, emb, torch.float64)
     assert rule.rows.shape[0] <= 16 * 5
     w = torch.rand(16, dtype=torch.float64)
     dense = torch.zeros(100_000, 8, dtype=torch.float64).index_add_(0, ids.reshape(-1), (g * w.view(-1, 1, 1)).reshape(-1, 8))
@@ -207,10 +207,10 @@ def test_conv2d(backend: str, cfg: dict, monkeypatch: pytest.MonkeyPatch) -> Non
 @pytest.mark.parametrize("backend", ["ghost", "auto"])
 @pytest.mark.parametrize("layer", ["conv", "linear-seq"])
 def test_rules_cut_the_batch_into_chunks_exactly(backend: str, layer: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from opake_fx.dpsgd.clipping import _layers
+    from opake_fx.dpsgd.clipping import _numerics
 
-    monkeypatch.setattr(_layers, "_CHUNK_ELEMS", 64)  # every example a chunk of its own
-    monkeypatch.setattr(_layers, "_CACHE_ELEMS", 16)
+    monkeypatch.setattr(_numerics, "CHUNK_ELEMS", 64)  # every example a chunk of its own
+    monkeypatch.setattr(_numerics, "CACHE_ELEMS", 16)
     torch.manual_seed(6)
     if layer == "conv":
         model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))

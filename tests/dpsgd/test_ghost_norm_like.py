@@ -1,4 +1,4 @@
-"""The rule for norm-like modules recognised by what they compute (``_affine_norm``).
+"""The rule for norm-like modules recognised by what they compute (``_rules_norm``).
 
 Modules with one 1-D ``weight`` (and maybe a ``bias``) whose output is elementwise affine
 in them — Hugging Face's RMSNorm classes, LayerNorm subclasses with their own forward,
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from torch import nn
 
-from opake_fx.dpsgd.clipping import _affine_norm as AN
-from opake_fx.dpsgd.clipping import _ghost, _layers
+from opake_fx.dpsgd.clipping import _rules_norm as AN
+from opake_fx.dpsgd.clipping import _ghost, _rules_fallback
 from opake_fx.dpsgd.clipping import clipped_grad
 from opake_fx.errors import SlowPathWarning
 from opake_fx.functional import make_functional
@@ -171,7 +171,7 @@ def assert_exact(model: nn.Module, x: torch.Tensor, backend: str, monkeypatch: p
         def fail(*a: Any, **k: Any) -> None:
             raise AssertionError("a norm-like module went to a vmap fallback")
 
-        monkeypatch.setattr(_layers, "module_per_example", fail)
+        monkeypatch.setattr(_rules_fallback, "module_per_example", fail)
         monkeypatch.setattr(_ghost, "_whole_loss_per_example", fail)
     out, aux, slow = run(backend, model, x, y, c)
     scale = max(float(w.abs().max()) for w in want)
@@ -273,8 +273,8 @@ def test_route_restores_buffers_and_refuses_side_effects() -> None:
     y = norm(x)
     assert float(norm.calls) == 1
     with pytest.warns(SlowPathWarning, match="modifies its buffers"):
-        kind, args, _ = AN.route(norm, (x,), {}, y)
-    assert kind == "fallback" and args[0] is x
+        saved = AN.route_affine(norm, (x,), {}, y)
+    assert saved is None  # the module fallback
     assert float(norm.calls) == 1  # the probe's calls were undone
 
 
@@ -290,8 +290,8 @@ def test_route_refuses_randomness_inside_the_module() -> None:
     norm = Noisy()
     x = torch.randn(4, 3, D)
     with pytest.warns(SlowPathWarning):
-        kind, _, _ = AN.route(norm, (x,), {}, norm(x))
-    assert kind == "fallback"
+        saved = AN.route_affine(norm, (x,), {}, norm(x))
+    assert saved is None
 
 
 def test_candidates_by_structure() -> None:

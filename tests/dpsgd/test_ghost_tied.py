@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opake_fx.dpsgd.clipping import _layers
+from opake_fx.dpsgd.clipping import _rules_embedding, _rules_linear, _tied
 from tests.dpsgd.test_ghost_clipping import check, count_calls
 
 V, D, B, T = 11, 6, 5, 7
@@ -21,18 +21,18 @@ V, D, B, T = 11, 6, 5, 7
 @pytest.fixture
 def materialised(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
     weights = [0]  # per-example weight gradients formed from ghost operands (a bias's are cheap)
-    original = _layers.MatmulGrad.per_example
+    original = _rules_linear.MatmulGrad.per_example
 
     def counted(self: Any, name: str) -> Any:
         if self._role(name) == "weight" and self._pe is None:
             weights[0] += 1
         return original(self, name)
 
-    monkeypatch.setattr(_layers.MatmulGrad, "per_example", counted)
+    monkeypatch.setattr(_rules_linear.MatmulGrad, "per_example", counted)
     return {
-        "embedding": count_calls(monkeypatch, _layers.EmbeddingGrad, "per_example"),
+        "embedding": count_calls(monkeypatch, _rules_embedding.EmbeddingGrad, "per_example"),
         "matmul": weights,
-        "combined": count_calls(monkeypatch, _layers, "SumOfUses"),
+        "combined": count_calls(monkeypatch, _tied, "SumOfUses"),
     }
 
 

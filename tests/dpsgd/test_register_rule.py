@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from opake_fx.dpsgd.clipping import _ghost, _layers, clipped_grad, register_rule, unregister_rule
+from opake_fx.dpsgd.clipping import _registry, _rules_fallback, clipped_grad, register_rule, unregister_rule
 from opake_fx.errors import InputTypeError, InputValueError, SlowPathWarning
 from opake_fx.functional import make_functional
 from tests.dpsgd.test_ghost_layers import reference
@@ -53,7 +53,7 @@ def _setup(dtype=torch.float64, seed=0):
 @pytest.mark.parametrize("backend", ["ghost", "auto"])
 def test_a_registered_rule_keeps_the_layer_off_the_fallback_and_is_exact(registered, backend, monkeypatch):
     calls = []
-    monkeypatch.setattr(_layers, "module_per_example", lambda *a, **k: calls.append(1))  # must not run
+    monkeypatch.setattr(_rules_fallback, "module_per_example", lambda *a, **k: calls.append(1))  # must not run
     fmodel, params, batched, x, y = _setup()
     want, want_norms, _ = reference(batched, params, x, y, 0.5)
     fn, state = clipped_grad(batched, clipping_norm=0.5, batch_argnums=(1, 2), return_aux=True, clip_backend=backend,
@@ -119,10 +119,10 @@ def test_a_subclass_with_its_own_forward_does_not_inherit_the_rule(registered):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x * self.s - self.t
 
-    assert _ghost._kind(Shifted(3)) == "fallback"
-    assert _ghost._kind(Scale(3)) == "registered"
+    assert _registry.lookup(Shifted(3)).kind == "fallback"
+    assert _registry.lookup(Scale(3)).kind == "registered"
 
     class Plain(Scale):
         pass
 
-    assert _ghost._kind(Plain(3)) == "registered"
+    assert _registry.lookup(Plain(3)).kind == "registered"

@@ -20,7 +20,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from opake_fx.dpsgd.clipping import _ghost, _layers  # noqa: E402
+from opake_fx.dpsgd.clipping import _ghost, _rules_fallback  # noqa: E402
 from opake_fx.errors import SlowPathWarning  # noqa: E402
 from opake_fx.functional import make_functional  # noqa: E402
 from tests.dpsgd.test_ghost_clipping import count_calls  # noqa: E402
@@ -90,7 +90,7 @@ def check(model: nn.Module, x: torch.Tensor, y: torch.Tensor, losses: Callable[.
 @pytest.fixture
 def fallbacks(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
     return {
-        "module": count_calls(monkeypatch, _layers, "module_per_example"),
+        "module": count_calls(monkeypatch, _rules_fallback, "module_per_example"),
         "whole": count_calls(monkeypatch, _ghost, "_whole_loss_per_example"),
     }
 

@@ -6,17 +6,19 @@ a *tap*: an identity autograd node that keeps the module's input and, in the bac
 pass, sees the gradient ``g`` of ``sum_i L_i`` with respect to the output. The
 backward pass asks autograd only for the gradient of a dummy scalar that every tap
 touches, so autograd propagates activation gradients through the whole model but forms
-no weight gradient at all. Each tap hands ``(a, g)`` to a per-layer rule
-(:mod:`._layers`) the moment ``g`` exists: the rule computes the per-example squared
+no weight gradient at all. Each tap hands ``(a, g)`` to the module's layer rule (an
+entry of :mod:`._registry`, one interface for every rule family) the moment ``g``
+exists: the rule computes the per-example squared
 norms and keeps what the weighted sum will need (per-example weight gradients, or just
 ``a`` and ``g`` for ghost-norm layers), so everything else is freed as the backward pass
 goes. The engine turns norms into weights ``w_i``; the rules then form
 ``sum_i w_i dP_i`` (book-keeping, Bu et al. 2023). Cost: one forward, one backward, the
 norms; never a second backward pass.
 
-``nn.MultiheadAttention`` used as batch-first self- or cross-attention is recomputed in
-its forward hook from its projections, each tapped as a Linear; the recomputation replaces
-the module's output when it reproduces it (checked on every call).
+A rule may also rewrite a call: ``nn.MultiheadAttention`` used as batch-first self- or
+cross-attention is recomputed in its forward hook from its projections, each tapped as a
+Linear; the recomputation replaces the module's output when it reproduces it (checked on
+every call; :mod:`._rules_attention`).
 
 Whatever the rules cannot do exactly goes to an exact fallback, per parameter:
 
@@ -38,19 +40,19 @@ would silently use the module's own, possibly stale, parameters).
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable, Literal
 
 import optree
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from opake_fx.dpsgd.clipping import _affine_norm as AN
-from opake_fx.dpsgd.clipping import _embedding_bag as EB
-from opake_fx.dpsgd.clipping import _layers as L
-from opake_fx.dpsgd.clipping.rules import registered_rule, run_rule
+from opake_fx.dpsgd.clipping import _numerics as N
+from opake_fx.dpsgd.clipping import _registry
+from opake_fx.dpsgd.clipping import _rules_fallback as FB
+from opake_fx.dpsgd.clipping._rule import BuildContext, Rule
+from opake_fx.dpsgd.clipping._rules_fallback import FALLBACK
+from opake_fx.dpsgd.clipping._tied import sum_of_uses
 from opake_fx.dpsgd.clipping._provenance import BatchLayout, probe, signature, tensor_leaves
 from opake_fx.dpsgd.clipping._per_example import map_examples, warn_slow_path
 from opake_fx.dpsgd.clipping._engine import Backend, ClipConfig, PerExampleNorms, _diff_tree, batch_size_of, vmap_backend
@@ -59,7 +61,6 @@ from opake_fx.functional import FunctionalModel
 from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths
 
 ClipBackend = Literal["vmap", "ghost", "auto"]
-_NORM_TYPES: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 
 
 def make_backend(clip_backend: str, model: FunctionalModel | nn.Module | None) -> Backend:
@@ -84,9 +85,9 @@ class _NormBackend:
 
     def __init__(self, root: nn.Module, mode: str) -> None:
         self.root, self.mode = root, mode
-        # Attention calls with dropout whose recomputation was checked (without dropout)
-        # against the module: (module, call signature) -> whether it matched.
-        self.attention_checked: dict[tuple[Any, ...], bool] = {}
+        # Rewritten calls (attention with dropout) whose recomputation was checked without
+        # dropout against the module: (module, call signature) -> whether it matched.
+        self.rewrites_checked: dict[tuple[Any, ...], bool] = {}
         # Batch layouts found by probing (see ._provenance), per call signature of the loss.
         self.layouts: dict[Any, BatchLayout] = {}
         self.rules_checked: set[tuple[Any, ...]] = set()
@@ -112,7 +113,7 @@ class _NormBackend:
         leaves = [x.detach().requires_grad_(True) for x in flat]
         run_args = _with_diff(args, cfg, optree.tree_unflatten(treedef, leaves))
         layout = self.layout(loss_fn, run_args, kwargs, cfg, batch) if batch else BatchLayout()
-        capture = _Capture(self.root, leaves, batch, self.mode, self.attention_checked, layout, self.rules_checked)
+        capture = _Capture(self.root, leaves, batch, self.mode, self.rewrites_checked, layout, self.rules_checked)
         try:
             with capture.forward():
                 out = loss_fn(*run_args, **kwargs)
@@ -128,7 +129,7 @@ class _NormBackend:
             capture.close()
         rules = capture.rules
         for u in capture.uses:  # module fallbacks run now, outside the backward pass
-            if u.kind == "fallback" and u.pending is not None:
+            if u.rule.deferred and u.pending is not None:
                 rules[id(u)] = _fallback_rule(u, capture.names_of(u), batch)
 
         # Parameters used by several calls: from the calls' rules and their cross terms where
@@ -136,7 +137,7 @@ class _NormBackend:
         combined: dict[int, Any] = {}
         for i in sorted(capture.multi):
             parts = [(rules[id(u)], n) for u, n in capture.uses_of(i) if rules.get(id(u)) is not None]
-            rule = L.sum_of_uses(parts, L.compute_dtype(leaves[i].dtype)) if parts else None
+            rule = sum_of_uses(parts, N.compute_dtype(leaves[i].dtype)) if parts else None
             if rule is not None:
                 combined[i] = rule
         per_ex: dict[int, torch.Tensor] = {}
@@ -160,7 +161,7 @@ class _NormBackend:
         rows = []
         for i, leaf in enumerate(leaves):
             if i in per_ex:
-                rows.append(L.sq_norms_of(per_ex[i]))
+                rows.append(N.sq_norms_of(per_ex[i]))
                 continue
             if i in combined:
                 single[i] = (combined[i], "")
@@ -174,13 +175,13 @@ class _NormBackend:
             else:  # unused by the loss: zero gradient
                 rows.append(torch.zeros(batch, dtype=torch.float64, device=leaf.device))
         sq = torch.stack(rows) if rows else torch.zeros((0, batch), dtype=torch.float64, device=leaves[0].device if leaves else None)
-        shapes = [(leaf.shape, L.compute_dtype(leaf.dtype), leaf.device) for leaf in leaves]
+        shapes = [(leaf.shape, N.compute_dtype(leaf.dtype), leaf.device) for leaf in leaves]
 
         def weighted_sum(leaf_weights: torch.Tensor, keep: torch.Tensor | None) -> list[torch.Tensor]:
             out = []
             for i, (shape, dtype, device) in enumerate(shapes):
                 if i in per_ex:
-                    out.append(L.weighted_sum_of(per_ex[i], leaf_weights[i], keep))
+                    out.append(N.weighted_sum_of(per_ex[i], leaf_weights[i], keep))
                 elif i in single:
                     rule, name = single[i]
                     out.append(rule.weighted(name, leaf_weights[i], keep))
@@ -194,10 +195,10 @@ class _NormBackend:
 class _Use:
     """One call of one module that used differentiated parameters."""
 
-    __slots__ = ("module", "kind", "names", "spec", "items", "positions", "batched", "n_out", "bound", "pending", "block")
+    __slots__ = ("module", "rule", "names", "spec", "items", "positions", "batched", "n_out", "bound", "pending", "block")
 
-    def __init__(self, module: nn.Module, kind: str, names: dict[str, int]) -> None:
-        self.module, self.kind, self.names = module, kind, names
+    def __init__(self, module: nn.Module, rule: Rule, names: dict[str, int]) -> None:
+        self.module, self.rule, self.names = module, rule, names  # rule: its registry entry
         self.spec: Any = None  # fallback only: structure of (args, kwargs) and its non-tensor items
         self.items: list[Any] = []
         self.positions: list[int] = []  # where the saved tensors go in ``items``
@@ -244,13 +245,13 @@ class _Capture:
     """Hooks, taps and per-leaf bookkeeping for one (micro)batch."""
 
     def __init__(self, root: nn.Module, leaves: list[torch.Tensor], batch: int, mode: str,
-                 attention_checked: dict[tuple[Any, ...], bool], layout: BatchLayout,
+                 rewrites_checked: dict[tuple[Any, ...], bool], layout: BatchLayout,
                  rules_checked: set[tuple[Any, ...]]) -> None:
         self.root, self.batch, self.mode = root, batch, mode
         self.layout = layout  # which inputs and outputs of each call carry the batch axis
         self.children_params: dict[int, set[int]] = {}
         self.rules_checked = rules_checked  # registered rules checked against autograd (the backend's)
-        self.attention_checked = attention_checked  # the backend's, kept across steps
+        self.rewrites_checked = rewrites_checked  # the backend's, kept across steps
         self.leaves = leaves
         self.index = {id(x): i for i, x in enumerate(leaves)}
         self.anchor = torch.zeros((), device=leaves[0].device if leaves else None, requires_grad=True)
@@ -292,7 +293,7 @@ class _Capture:
     def plan(self, counts: dict[int, int]) -> None:
         """Routes every leaf, from its hooked uses and its uses in the autograd graph."""
         for i, uses in self.by_leaf.items():
-            if any(u.kind == "fallback" for u, _ in uses):
+            if any(u.rule.deferred for u, _ in uses):
                 self.fallback.add(i)
         for i, uses in self.by_leaf.items():
             if i in self.whole:
@@ -337,31 +338,23 @@ class _Capture:
                 "LayerNorm (or put the BatchNorm in eval mode) for DP training."
             )
         batched = self._verdict(module, args, kwargs, output)  # id(tensor) -> carries the batch axis first
-        if isinstance(module, (nn.MultiheadAttention, nn.RNNBase)) and not module.batch_first:
-            x = args[0] if args else kwargs.get("query", kwargs.get("input"))
-            if isinstance(x, torch.Tensor) and x.dim() == 3 and batched.get(id(x), False):
-                raise InputValueError(
-                    f"{type(module).__name__}(batch_first=False) got an input of shape {tuple(x.shape)} whose first "
-                    f"dimension is the batch ({self.batch} examples): the module then runs along the batch as if "
-                    "it were the sequence and mixes examples (one example's gradient would depend on the others). "
-                    "Build the module with batch_first=True and pass [batch, sequence, features]."
-                )
+        rule = _registry.lookup(module)
         names = {}
         held = self._held_by_children(module)
         for n, p in module._parameters.items():
             i = self.index.get(id(p))
             if i is not None and id(p) not in held:  # a tied child parameter is the child call's
                 names[n] = i
-        if isinstance(module, nn.MultiheadAttention) and type(module).forward is nn.MultiheadAttention.forward:
-            replaced = self._attention(module, args, kwargs, output, names, batched)
+        rule.check(module, args, kwargs, batched, self.batch, bool(names))
+        if rule.rewrites:
+            replaced = self._rewrite(rule, module, args, kwargs, output, names, batched)
             if replaced is not None:
-                return replaced  # else: the module fallback, like any module without a rule
+                return replaced  # else: the rule's own routing (the module fallback for attention)
         if not names:
             return None
-        kind = _kind(module)
         single = isinstance(output, torch.Tensor)
         outputs = [output] if single else [o for o in optree.tree_leaves(output) if isinstance(o, torch.Tensor)]
-        if not _batched(kind, module, args, kwargs, outputs, batched):
+        if not rule.batched(module, args, kwargs, outputs, batched):
             if self.recording:
                 self.whole.update(names.values())
                 shapes = [tuple(t.shape) for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -370,20 +363,21 @@ class _Capture:
                 for n, i in names.items():
                     self.why.setdefault(i, (reason, module, n))
             return None
-        if kind in _PER_CALL:  # rules decided on the call itself: what they need saved replaces its inputs
-            kind, args, kwargs = _PER_CALL[kind](module, args, kwargs, output)
-        if kind == "fallback":
+        saved = None if rule.deferred else rule.route(module, args, kwargs, output)
+        if saved is None and not rule.deferred:
+            rule = FALLBACK  # this call does not fit its rule
+        if rule.deferred:
             items, spec = optree.tree_flatten((args, kwargs))
             positions = [k for k, t in enumerate(items) if isinstance(t, torch.Tensor)]
             inputs = [items[k] for k in positions]
         else:
-            a = args[0] if args else kwargs["input"]
-            inputs, items, spec, positions = (list(args) if kind in _PER_CALL else [a]), [], None, []
+            assert saved is not None
+            inputs, items, spec, positions = list(saved), [], None, []
         report = None
         if self.recording:  # (not during a checkpoint's recomputation in the backward pass)
-            use = _Use(module, kind, names)
+            use = _Use(module, rule, names)
             use.n_out = len(outputs)
-            if kind == "fallback":
+            if rule.deferred:
                 use.spec, use.positions = spec, positions
                 use.batched = [batched.get(id(items[k]), False) for k in positions]
                 use.items = [None if isinstance(t, torch.Tensor) else t for t in items]
@@ -421,46 +415,25 @@ class _Capture:
             return {}
         return {id(t): v for t, v in zip(inputs + outputs, found[0] + found[1])}
 
-    def _attention(self, module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
-                   names: dict[str, int], batched: dict[int, bool]) -> Any:
-        """Self- or cross-attention through ``nn.MultiheadAttention`` as tapped Linears.
-
-        The module's output is recomputed from its packed input projection (one Linear
-        with weight ``in_proj_weight`` for self-attention; for cross-attention a Linear on
-        the query with its first ``d`` rows and one on the memory with the other ``2d``),
-        the attention itself (no parameters; it mixes positions, never examples) and
-        ``out_proj``; each projection is tapped like a Linear, and the recomputation
-        replaces the output. It is used only when it reproduces the module's own output:
-        checked on every call, or, with attention dropout in training (the recomputation
-        draws its own masks), once per module and call signature with dropout off on both
-        sides. Otherwise the call goes to the module fallback. Returns the replacement
-        output, or None.
-        """
-        out_names = {n: self.index[id(p)] for n, p in module.out_proj._parameters.items()
-                     if p is not None and id(p) in self.index}
-        call = _attention_arguments(module, args, kwargs) if (names or out_names) else None
-        if call is None or not isinstance(output, tuple) or output[1] is not None:
-            return None
-        query, memory = call["query"], call["key"]
-        if query.dim() != 3 or memory.dim() != 3 or not (batched.get(id(query)) and batched.get(id(memory))):
-            return None
-        dropout = module.dropout if module.training else 0.0
-        if dropout > 0 and not self._attention_matches_without_dropout(module, args, kwargs, call):
-            return None
+    def _rewrite(self, rule: Rule, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
+                 names: dict[str, int], batched: dict[int, bool]) -> Any:
+        """The rule's replacement output (attention from tapped projections), or None. The
+        rule wraps each sub-call's output with ``tap(entry, owner, names, a, y, block)``; the
+        taps are registered only when the rule replaces the output (otherwise none reports)."""
         taps: list[tuple[_Use, dict[str, int], nn.Module]] = []
 
-        def tap(kind: str, owner: nn.Module, used: dict[str, int], a: torch.Tensor, y: torch.Tensor,
+        def tap(entry: Rule, owner: nn.Module, used: dict[str, int], a: torch.Tensor, y: torch.Tensor,
                 block: tuple[int, int] | None = None) -> torch.Tensor:
             if not used:
                 return y
-            use = _Use(owner, kind, used)
+            use = _Use(owner, entry, used)
             use.block = block
             taps.append((use, used, owner))
             return _Tap.apply(self.anchor, _Report(self, use) if self.recording else None, 1, a, y)
 
-        out = _attention_forward(module, call, dropout, tap, names, out_names)
-        if out is None or (dropout == 0 and not _same_output(out, output[0])):
-            return None  # the taps made above are never registered, so nothing reports
+        out = rule.rewrite(module, args, kwargs, output, names, batched, tap, self._params_of, self.rewrites_checked)
+        if out is None:
+            return None
         if self.recording:
             for use, used, owner in taps:
                 use.n_out = 1
@@ -468,25 +441,11 @@ class _Capture:
                 for n, i in used.items():
                     self.by_leaf[i].append((use, n))
                 self._remember_bindings(owner)
-        return out, None
+        return out
 
-    def _attention_matches_without_dropout(self, module: nn.MultiheadAttention, args: tuple[Any, ...],
-                                           kwargs: dict[str, Any], call: dict[str, Any]) -> bool:
-        masks = tuple((name, None if m is None else (m.dtype, m.dim())) for name in ("attn_mask", "key_padding_mask")
-                      for m in [call[name]])
-        signature = (id(module), masks, bool(call["is_causal"]), call["query"] is call["key"],
-                     tuple(call["query"].shape[1:]), tuple(call["key"].shape[1:]))
-        if signature not in self.attention_checked:
-            rate = module.dropout
-            try:
-                module.dropout = 0.0
-                with torch.no_grad():
-                    ref = module.forward(*args, **kwargs)[0]  # .forward: no hooks
-                    ours = _attention_forward(module, call, 0.0, lambda kind, owner, used, a, y, block=None: y, {}, {})
-            finally:
-                module.dropout = rate
-            self.attention_checked[signature] = ours is not None and _same_output(ours, ref)
-        return self.attention_checked[signature]
+    def _params_of(self, module: nn.Module) -> dict[str, int]:
+        """The differentiated parameters ``module`` holds directly: name -> leaf."""
+        return {n: self.index[id(p)] for n, p in module._parameters.items() if p is not None and id(p) in self.index}
 
     def _remember_bindings(self, module: nn.Module) -> None:
         # The tensors functional_call bound to every module now, for checkpoint recomputation.
@@ -500,7 +459,7 @@ class _Capture:
         target = id(self.leaves[i])
         best: list[tuple[_Use, str]] = []
         for u in self.uses:
-            if u.kind != "fallback" or u.bound is None:
+            if not u.rule.deferred or u.bound is None:
                 continue
             name = next((n for n, t in u.bound.items() if id(t) == target), None)
             if name is None:
@@ -525,42 +484,17 @@ class _Report:
         names = cap.names_of(use)
         if not names:
             return
-        if use.kind == "fallback":
+        if use.rule.deferred:
             use.pending = (tuple(t.detach() for t in saved), grads)
             return
         g = grads[0]
         if g is None:  # the output does not reach the loss: zero gradient
             cap.rules[id(use)] = None
             return
-        a = saved[0].detach()
-        roles = {n: n for n in names}
-        dtype = cap.leaves[next(iter(names.values()))].dtype
-        if use.kind == "linear":
-            rule: Any = L.linear_grad(use.module, a, g, roles, cap.mode, dtype)
-        elif use.kind == "projection":  # rows lo:hi of nn.MultiheadAttention's packed input projection
-            d = use.module.embed_dim
-            lo, hi = use.block or (0, 3 * d)
-            roles = {role: n for role, n in (("weight", "in_proj_weight"), ("bias", "in_proj_bias")) if n in names}
-            rule = L.projection_grad(a, g, d, hi - lo, roles, cap.mode, dtype)
-            if (lo, hi) != (0, 3 * d):
-                rule = L.BlockRows(rule, lo, hi, 3 * d)
-        elif use.kind == "linear_t":
-            rule = L.transposed_linear_grad(use.module, a, g, roles, cap.mode, dtype)
-        elif use.kind == "conv":
-            rule = L.conv_grad(use.module, a, g, roles, cap.mode, dtype)
-        elif use.kind == "embedding":
-            keep_tokens = any(i in cap.multi for i in names.values())  # a tied table: cross terms need tokens
-            rule = L.EmbeddingGrad(a, g, use.module, L.compute_dtype(dtype), keep_tokens=keep_tokens)
-        elif use.kind == "registered":
-            rule = L.PerExampleGrad(run_rule(registered_rule(use.module), use.module, a, g, names, cap.rules_checked))
-        elif use.kind == AN.KIND:  # a is A(x), saved by AN.route
-            rule = AN.affine_norm_grad(a, g, roles, dtype)
-        elif use.kind == EB.KIND:  # saved: per-token bags, ids and coefficients (or argmax) from EB.route
-            keep_tokens = any(i in cap.multi for i in names.values())
-            rule = EB.bag_grad(tuple(t.detach() for t in saved), g, use.module, L.compute_dtype(dtype), keep_tokens=keep_tokens)
-        else:
-            rule = L.norm_grad(use.module, a, g, roles, dtype)
-        cap.rules[id(use)] = rule
+        ctx = BuildContext(mode=cap.mode, dtype=cap.leaves[next(iter(names.values()))].dtype,
+                           shared=any(i in cap.multi for i in names.values()),  # a tied table: cross terms
+                           checked=cap.rules_checked, block=use.block)
+        cap.rules[id(use)] = use.rule.build(use.module, tuple(t.detach() for t in saved), g, names, ctx)
 
 
 class _Rebind:
@@ -589,171 +523,8 @@ def _fallback_rule(use: _Use, names: dict[str, int], batch: int) -> Any:
     for k, t in zip(use.positions, saved):
         items[k] = t
     args, kwargs = optree.tree_unflatten(use.spec, items)
-    return L.module_per_example(use.module, use.bound or {}, list(names), tuple(args), kwargs, list(grads), batch,
+    return FB.module_per_example(use.module, use.bound or {}, list(names), tuple(args), kwargs, list(grads), batch,
                                 [k for k, b in zip(use.positions, use.batched) if b])
-
-
-def _kind(module: nn.Module) -> str:
-    t = type(module)
-    if registered_rule(module) is not None:  # a user's rule for their own module type
-        return "registered"
-    if isinstance(module, nn.Linear) and t.forward is nn.Linear.forward:
-        return "linear"
-    if _is_transformers_conv1d(t):
-        return "linear_t"
-    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and t.forward in (nn.Conv1d.forward, nn.Conv2d.forward) and (
-        t._conv_forward in (nn.Conv1d._conv_forward, nn.Conv2d._conv_forward)
-    ):
-        return "conv"
-    if isinstance(module, nn.Embedding) and t.forward is nn.Embedding.forward:
-        if module.scale_grad_by_freq:
-            raise InputValueError(
-                "nn.Embedding(scale_grad_by_freq=True) divides gradients by token counts over the whole batch, so "
-                "one example's gradient depends on the others and clipping it bounds nothing. Set it to False."
-            )
-        if module.max_norm is not None:
-            raise InputValueError(
-                "nn.Embedding(max_norm=...) renormalises its weight in place during the forward pass, which a "
-                "functional per-example gradient cannot follow. Remove max_norm (clipping bounds updates instead)."
-            )
-        return "embedding"
-    if isinstance(module, nn.EmbeddingBag) and t.forward is nn.EmbeddingBag.forward:
-        return EB.kind(module)
-    if isinstance(module, _NORM_TYPES) and t.forward in tuple(c.forward for c in _NORM_TYPES):
-        return "norm"
-    if AN.is_candidate(module):  # norm-like by structure; each call is checked by AN.route
-        return AN.KIND
-    return "fallback"
-
-
-# Kinds whose calls are routed on their arguments and output: (module, args, kwargs, output)
-# -> (kind, what the rule needs saved as its inputs, {}) or ("fallback", args, kwargs).
-_PER_CALL: dict[str, Callable[..., tuple[str, tuple[Any, ...], dict[str, Any]]]] = {AN.KIND: AN.route, EB.KIND: EB.route}
-
-
-_MHA_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
-
-
-def _attention_arguments(module: nn.MultiheadAttention, args: tuple[Any, ...],
-                         kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """The call's arguments when it is batch-first attention that the rule covers, else None:
-    one packed input projection, no extra key/value biases or zero attention, no attention
-    weights returned, and key = value (self-attention: query = key = value too)."""
-    if not (module.batch_first and module._qkv_same_embed_dim and module.in_proj_weight is not None
-            and module.bias_k is None and module.bias_v is None and not module.add_zero_attn):
-        return None
-    try:
-        bound = _MHA_SIGNATURE.bind(module, *args, **kwargs)
-    except TypeError:
-        return None
-    bound.apply_defaults()
-    call = bound.arguments
-    if call["need_weights"] or call["key"] is not call["value"]:
-        return None
-    if not all(isinstance(call[k], torch.Tensor) for k in ("query", "key")):
-        return None
-    return call
-
-
-def _attention_forward(module: nn.MultiheadAttention, call: dict[str, Any], dropout: float, tap: Callable[..., Any],
-                       names: dict[str, int], out_names: dict[str, int]) -> torch.Tensor | None:
-    """The module's output from explicit projections; ``tap(kind, owner, names, a, y, block)``
-    wraps each projection's output (identity when nothing is differentiated)."""
-    query, memory = call["query"], call["key"]
-    d = module.embed_dim
-    weight, bias = module.in_proj_weight, module.in_proj_bias
-    if query is memory:
-        proj = tap("projection", module, names, query, F.linear(query, weight, bias), (0, 3 * d))
-        q_proj, kv_proj = proj[..., :d], proj[..., d:]
-    else:
-        q_proj = F.linear(query, weight[:d], None if bias is None else bias[:d])
-        kv_proj = F.linear(memory, weight[d:], None if bias is None else bias[d:])
-        q_proj = tap("projection", module, names, query, q_proj, (0, d))
-        kv_proj = tap("projection", module, names, memory, kv_proj, (d, 3 * d))
-    ctx = _attention_core(q_proj, kv_proj, module.num_heads, call, dropout)
-    if ctx is None:
-        return None
-    out = F.linear(ctx, module.out_proj.weight, module.out_proj.bias)
-    return tap("linear", module.out_proj, out_names, ctx, out)
-
-
-def _same_output(ours: torch.Tensor, ref: torch.Tensor) -> bool:
-    ref = ref.detach()
-    scale = float(ref.abs().max()) if ref.numel() else 0.0
-    return bool(torch.allclose(ours.detach(), ref, rtol=1e-4, atol=1e-5 * scale + 1e-30))
-
-
-def _attention_core(q_proj: torch.Tensor, kv_proj: torch.Tensor, heads: int, call: dict[str, Any],
-                    dropout: float) -> torch.Tensor | None:
-    """Scaled dot-product attention of projected queries ``[B, T, d]`` over projected keys and
-    values ``[B, S, 2d]`` -> ``[B, T, d]``, with the masks of ``F.multi_head_attention_forward``
-    (its mask logic, batch first)."""
-    canonical = getattr(F, "_canonical_mask", None)
-    none_or_dtype = getattr(F, "_none_or_dtype", None)
-    if canonical is None or none_or_dtype is None:
-        return None
-    b, t, d = q_proj.shape
-    s = kv_proj.shape[1]
-    q = q_proj.reshape(b, t, heads, d // heads).transpose(1, 2)
-    k, v = kv_proj.reshape(b, s, 2, heads, d // heads).permute(2, 0, 3, 1, 4)
-    attn_mask, padding, is_causal = call["attn_mask"], call["key_padding_mask"], bool(call["is_causal"])
-    padding = canonical(mask=padding, mask_name="key_padding_mask", other_type=none_or_dtype(attn_mask),
-                        other_name="attn_mask", target_type=q_proj.dtype)
-    if is_causal and attn_mask is None:
-        return None
-    if is_causal and padding is None:
-        mask = None  # F.multi_head_attention_forward hands the causal hint to SDPA
-    else:
-        mask = canonical(mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="",
-                         target_type=q_proj.dtype, check_other=False)
-        if mask is not None:
-            if mask.dim() == 2:
-                mask = mask.view(1, 1, t, s)
-            elif mask.dim() == 3:
-                mask = mask.view(b, heads, t, s)
-            else:
-                return None
-        if padding is not None:
-            if padding.shape != (b, s):
-                return None
-            padding = padding.view(b, 1, 1, s)
-            mask = padding if mask is None else mask + padding
-            is_causal = False
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
-    return out.transpose(1, 2).reshape(b, t, d)
-
-
-def _is_transformers_conv1d(t: type) -> bool:
-    """Whether ``t`` runs the ``forward`` of Hugging Face's ``transformers.pytorch_utils.Conv1D``
-    (GPT-2's projections: ``y = x @ W + b`` with ``W: [d_in, d_out]``), recognised by the
-    function's home, not by a class name a user might reuse; transformers is not imported."""
-    forward = getattr(t, "forward", None)
-    return getattr(forward, "__module__", None) == "transformers.pytorch_utils" and (
-        getattr(forward, "__qualname__", None) == "Conv1D.forward"
-    )
-
-
-def _batched(kind: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-             outputs: list[torch.Tensor], batched: dict[int, bool]) -> bool:
-    """Whether the call carries the batch as the first dimension of its input and outputs,
-    by provenance (``batched``: id of each tensor of the call -> its verdict; empty when
-    the call is undecidable), never because a dimension happens to equal the batch size."""
-    if not outputs or not all(batched.get(id(o), False) for o in outputs):
-        return False
-    if kind == "fallback":
-        return any(batched.get(id(t), False) for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-    if kind in _PER_CALL:  # its rule reads only the output's rows (an embedding bag's input may be [N] ids)
-        return True
-    a = args[0] if args else kwargs.get("input")
-    if not isinstance(a, torch.Tensor) or not batched.get(id(a), False):
-        return False
-    if kind in ("linear", "linear_t"):
-        return a.dim() >= 2
-    if kind == "conv":
-        return a.dim() == (3 if isinstance(module, nn.Conv1d) else 4)
-    if kind == "norm":
-        return a.dim() >= 2 and (isinstance(module, nn.GroupNorm) or a.dim() > len(module.normalized_shape))
-    return True
 
 
 def _leaf_use_counts(losses: torch.Tensor, index: dict[int, int]) -> dict[int, int]:

@@ -5,7 +5,9 @@ batched backward pass and turn them into per-example norms through *rules*. Line
 convolution, embedding, embedding-bag, normalisation (by what it computes) and attention
 layers have built-in rules; a module of another type takes an exact but slower fallback
 (with a :class:`~opake_fx.errors.SlowPathWarning`). :func:`register_rule` adds a rule for
-a module type of yours, in the manner of Opacus's per-layer registry.
+a module type of yours, in the manner of Opacus's per-layer registry: it is an entry of
+the same registry as the built-in rules (consulted before them), so the backends treat
+your module's calls exactly like a built-in layer's.
 
 A rule is a function ``rule(module, a, g) -> {parameter name: [B, *shape]}``:
 
@@ -45,20 +47,13 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
-
-import torch
 from torch import nn
 
+from opake_fx.dpsgd.clipping import _registry
+from opake_fx.dpsgd.clipping._rules_registered import LayerRule
 from opake_fx.errors import InputTypeError, InputValueError
 
 __all__ = ["LayerRule", "register_rule", "unregister_rule", "registered_rule"]
-
-#: ``(module, a, g) -> {parameter name: per-example gradients [B, *shape]}``
-LayerRule = Callable[[nn.Module, torch.Tensor, torch.Tensor], Mapping[str, torch.Tensor]]
-
-# The registry (documented module state, like ``register_sync_type``): module type -> rule.
-_RULES: dict[type, LayerRule] = {}
 
 
 def register_rule(module_type: type, rule: LayerRule) -> None:
@@ -78,82 +73,20 @@ def register_rule(module_type: type, rule: LayerRule) -> None:
         raise InputTypeError(f"register_rule: module_type must be an nn.Module subclass; got {module_type!r}.")
     if not callable(rule):
         raise InputTypeError(f"register_rule: rule must be callable (module, a, g) -> dict; got {type(rule).__name__}.")
-    if module_type.__module__.startswith("torch.nn") and module_type in _BUILT_IN:
+    if module_type.__module__.startswith("torch.nn") and module_type in _registry.built_in_types():
         raise InputValueError(
             f"register_rule: {module_type.__name__} has a built-in rule; register rules for your own module types."
         )
-    _RULES[module_type] = rule
+    _registry.add_user(module_type, rule)
 
 
 def unregister_rule(module_type: type) -> None:
     """Removes the rule registered for ``module_type`` (no-op if there is none)."""
-    _RULES.pop(module_type, None)
+    _registry.remove_user(module_type)
 
 
 def registered_rule(module: nn.Module) -> LayerRule | None:
     """The rule registered for ``module``'s type, or for the nearest registered base class
     whose ``forward`` the module still runs; None otherwise."""
-    if not _RULES:
-        return None
-    for base in type(module).__mro__:
-        rule = _RULES.get(base)
-        if rule is not None:
-            return rule if type(module).forward is base.forward else None
-    return None
-
-
-_BUILT_IN = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.GroupNorm,
-             nn.MultiheadAttention)
-
-
-def run_rule(rule: LayerRule, module: nn.Module, a: torch.Tensor, g: torch.Tensor, names: Mapping[str, object],
-             checked: set[tuple[object, ...]]) -> dict[str, torch.Tensor]:
-    """Runs a registered rule for one call and checks it (the first time for this module
-    type, input shape and parameter set) against autograd's batch gradient of the call.
-
-    Returns the per-example gradients of the parameters in ``names`` (the module's own
-    parameters that are differentiated).
-    """
-    batch = a.shape[0]
-    out = rule(module, a, g)
-    if not isinstance(out, Mapping):
-        raise InputTypeError(f"the rule registered for {type(module).__name__} returned {type(out).__name__}, not a dict.")
-    grads = {}
-    for name in names:
-        pe = out.get(name)
-        param = module._parameters[name]
-        if not isinstance(pe, torch.Tensor) or tuple(pe.shape) != (batch, *param.shape):
-            got = tuple(pe.shape) if isinstance(pe, torch.Tensor) else type(pe).__name__
-            raise InputValueError(
-                f"the rule registered for {type(module).__name__} must return per-example gradients of "
-                f"'{name}' with shape {(batch, *tuple(param.shape))} (batch first); got {got}."
-            )
-        grads[name] = pe.detach()
-    key = (type(module), tuple(a.shape[1:]), tuple(sorted(names)))
-    if key not in checked:
-        _check_against_autograd(module, a, g, grads)
-        checked.add(key)
-    return grads
-
-
-def _check_against_autograd(module: nn.Module, a: torch.Tensor, g: torch.Tensor, grads: dict[str, torch.Tensor]) -> None:
-    params = {n: module._parameters[n].detach().requires_grad_(True) for n in grads}
-    saved = {n: module._parameters[n] for n in grads}
-    try:
-        with torch.enable_grad():
-            module._parameters.update(params)
-            y = type(module).forward(module, a)  # the module's own computation, without hooks
-            want = torch.autograd.grad(y, list(params.values()), g, allow_unused=True)
-    finally:
-        module._parameters.update(saved)
-    for (name, pe), ref in zip(grads.items(), want):
-        total = pe.sum(dim=0).to(torch.float64)
-        ref64 = torch.zeros_like(total) if ref is None else ref.to(torch.float64)
-        err = float(torch.linalg.vector_norm(total - ref64))
-        scale = float(torch.linalg.vector_norm(ref64)) + float(torch.linalg.vector_norm(total))
-        if not err <= 1e-4 * scale + 1e-30:
-            raise InputValueError(
-                f"the rule registered for {type(module).__name__} is wrong for '{name}': its per-example gradients "
-                f"sum to a tensor {err:.3g} away (L2) from autograd's batch gradient of the call (norm "
-                f"{float(torch.linalg.vector_norm(ref64)):.3g}). Check the rule; unregister_rule removes it."
-            )
+    found = _registry.user_rule(module)
+    return None if found is None else found.fn

@@ -1,16 +1,22 @@
-"""Rule for norm-like modules recognised by what they compute: ``y = A(x) * w + B(x) + b``.
+"""Rules for normalisation layers: torch's own, and any module that computes like one.
 
+``nn.LayerNorm`` / ``nn.GroupNorm`` / ``nn.RMSNorm``: per-example affine gradients are as
+small as the layer's output channels, ``dgamma_i = sum g_i * xhat_i``, ``dbeta_i = sum g_i``,
+so they are computed directly (:func:`norm_grad`).
+
+Norm-like modules recognised by what they compute, ``y = A(x) * w + B(x) + b``
+(:class:`AffineNormRule`):
 Hugging Face's RMSNorm classes (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``MistralRMSNorm``,
 ``T5LayerNorm``, ...), LayerNorm subclasses with their own ``forward``, Gemma's
 ``(1 + w) * x``, ``nn.PReLU`` on ``[B, *, C]``, eval-mode ``BatchNorm1d`` on ``[B, C]``:
 each has one 1-D ``weight`` (and maybe a 1-D ``bias``) of the size of the input's last
 dimension, and its output is elementwise affine in them. Then example ``i``'s gradients
 are ``dw_i = sum_positions g_i * A_i`` and ``db_i = sum_positions g_i``: ``[B, D]``, as
-small as the layer, computed directly (:class:`~._layers.PerExampleGrad`).
+small as the layer, computed directly (:class:`~._numerics.PerExampleGrad`).
 
 No class name is trusted. A module is a *candidate* by structure (:func:`is_candidate`:
 a 1-D ``weight``, an optional 1-D ``bias`` of the same shape, no other parameters, none
-in submodules), and each call is *checked* in its forward hook (:func:`route`):
+in submodules), and each call is *checked* in its forward hook (:func:`route_affine`):
 
 * ``A(x)`` is the module's own ``forward`` on the same arguments with the weight replaced
   by ones and the bias by zeros (``torch.no_grad``; one extra forward of the layer);
@@ -29,7 +35,7 @@ buffers (e.g. running statistics) is not re-run for good: buffer versions are co
 and restored, and such a module takes the fallback.
 
 Privacy contract: the per-example gradients the weighted sum reads are the stored
-``[B, D]`` tensors whose certified float64 norms (:func:`~._layers.sq_norms_of`) decide
+``[B, D]`` tensors whose certified float64 norms (:func:`~._numerics.sq_norms_of`) decide
 the clip weights, so each example's contribution is at most ``C`` as computed in floating
 point whether or not the affinity check is right; the check only guards correctness (the
 norms and the sum equal the true per-example gradients').
@@ -41,13 +47,38 @@ import weakref
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from opake_fx.dpsgd.clipping import _certified as cert
-from opake_fx.dpsgd.clipping import _layers as L
+from opake_fx.dpsgd.clipping import _numerics as N
 from opake_fx.dpsgd.clipping._per_example import warn_slow_path
+from opake_fx.dpsgd.clipping._rule import BuildContext, Rule, first_input, roles
 
-KIND = "affine_norm"
+NORM_TYPES: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+
+
+def norm_grad(module: nn.Module, a: torch.Tensor, g: torch.Tensor, names: dict[str, str], dtype: torch.dtype) -> N.PerExampleGrad:
+    """Rule for LayerNorm / GroupNorm / RMSNorm: ``dgamma_i = sum g_i * xhat_i``, ``dbeta_i = sum g_i``."""
+    dtype = N.compute_dtype(dtype)
+    a, g = N.as_dtype(a, dtype), N.as_dtype(g, dtype)
+    if isinstance(module, nn.GroupNorm):
+        xhat = F.group_norm(a, module.num_groups, None, None, module.eps)
+        dims = tuple(range(2, a.dim()))  # reduce spatial positions; keep [B, C]
+    else:
+        shape = tuple(module.normalized_shape)
+        if isinstance(module, nn.LayerNorm):
+            xhat = F.layer_norm(a, shape, None, None, module.eps)
+        else:
+            xhat = F.rms_norm(a, shape, None, module.eps)
+        dims = tuple(range(1, a.dim() - len(shape)))  # reduce positions; keep [B, *normalized_shape]
+    grads = {}
+    for role, name in names.items():
+        per = xhat.mul_(g) if role == "weight" else g  # xhat is ours: reuse its buffer
+        grads[name] = per.sum(dim=dims) if dims else per
+    return N.PerExampleGrad(grads)
+
+
 
 # module -> {call signature: "plain" | "offset" | None (not affine)}: the probe's verdict.
 _PROBED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], str | None]] = weakref.WeakKeyDictionary()
@@ -68,18 +99,18 @@ def is_candidate(module: nn.Module) -> bool:
     return not any(p is not None for m in module.modules() if m is not module for p in m._parameters.values())
 
 
-def route(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-    """Decides one call of a candidate: ``(KIND, (A,), {})`` with ``A(x)`` ``[B, *, D]`` (what
-    the rule needs saved for the backward pass, in place of the module's inputs), or
-    ``("fallback", args, kwargs)`` unchanged: with a :class:`SlowPathWarning` that says why
-    when the call is norm-like in shape (one output ``[B, *, D]``, ``D`` the weight's size)
-    but fails the check, as any other module without a rule otherwise."""
+def route_affine(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> tuple[torch.Tensor, ...] | None:
+    """Decides one call of a candidate: ``(A,)`` with ``A(x)`` ``[B, *, D]`` (what the rule
+    needs saved for the backward pass, in place of the module's inputs), or None (the module
+    fallback): with a :class:`SlowPathWarning` that says why when the call is norm-like in
+    shape (one output ``[B, *, D]``, ``D`` the weight's size) but fails the check, as any
+    other module without a rule otherwise."""
     weight = module._parameters["weight"]
     bias = module._parameters.get("bias")
     if not isinstance(output, torch.Tensor) or not output.is_floating_point() or output.dim() < 2 or (
         output.shape[-1] != weight.shape[0]
     ):
-        return "fallback", args, kwargs  # not norm-like on this call (e.g. nn.PReLU(1)): the generic module fallback
+        return None  # not norm-like on this call (e.g. nn.PReLU(1)): the generic module fallback
     y = output.detach()
     w = weight.detach()
     b = None if bias is None else bias.detach()
@@ -87,49 +118,48 @@ def route(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], outp
     seen = _PROBED.setdefault(module, {})
     form = seen.get(sig, "unknown")
     if form is None:
-        return _fallback(module, "its output is not elementwise affine in its weight (checked at a probe weight)", args, kwargs)
+        return _fallback(module, "its output is not elementwise affine in its weight (checked at a probe weight)")
     try:
         ones = _call(module, torch.ones_like(w), None if b is None else torch.zeros_like(b), args, kwargs, y)
         if form == "unknown":
             form = _probe(module, args, kwargs, y, w, b, ones)
             seen[sig] = form
             if form is None:
-                return _fallback(module, "its output is not elementwise affine in its weight (checked at a probe weight)",
-                                 args, kwargs)
+                return _fallback(module, "its output is not elementwise affine in its weight (checked at a probe weight)")
         if form == "plain":
             a, offset = ones, None
         else:
             offset = _call(module, torch.zeros_like(w), None if b is None else torch.zeros_like(b), args, kwargs, y)
             a = _sub(ones, offset)
     except _NotAffine as e:
-        return _fallback(module, str(e), args, kwargs)
+        return _fallback(module, str(e))
     if not _affine_at(y, a, w, offset, b):
         return _fallback(module, "this call's output is not A(x) * weight + bias for the A(x) its forward gives at "
-                         "weight = 1 (e.g. randomness inside the module)", args, kwargs)
-    return KIND, (a,), {}
+                         "weight = 1 (e.g. randomness inside the module)")
+    return (a,)
 
 
-def affine_norm_grad(a: torch.Tensor, g: torch.Tensor, names: dict[str, str], dtype: torch.dtype) -> L.PerExampleGrad:
+def affine_norm_grad(a: torch.Tensor, g: torch.Tensor, names: dict[str, str], dtype: torch.dtype) -> N.PerExampleGrad:
     """The rule: ``dw_i = sum_positions g_i * A_i``, ``db_i = sum_positions g_i``.
 
     Args:
-        a: ``A(x)`` ``[B, *, D]`` from :func:`route`.
+        a: ``A(x)`` ``[B, *, D]`` from :func:`route_affine`.
         g: gradient of the batch loss w.r.t. the module's output, ``[B, *, D]``.
         names: role (``"weight"`` / ``"bias"``) -> parameter name, for the differentiated ones.
-        dtype: the parameters' dtype (the rule computes in :func:`~._layers.compute_dtype` of it).
+        dtype: the parameters' dtype (the rule computes in :func:`~._numerics.compute_dtype` of it).
 
     Returns:
-        A :class:`~._layers.PerExampleGrad` of ``[B, D]`` gradients; its certified norms
+        A :class:`~._numerics.PerExampleGrad` of ``[B, D]`` gradients; its certified norms
         are those of these stored tensors, which its weighted sum reads.
     """
-    dtype = L.compute_dtype(dtype)
+    dtype = N.compute_dtype(dtype)
     g = g.to(dtype)
     dims = tuple(range(1, g.dim() - 1))
     grads = {}
     for role, name in names.items():
         per = g * a.to(dtype) if role == "weight" else g
         grads[name] = per.sum(dim=dims) if dims else per.clone()
-    return L.PerExampleGrad(grads)
+    return N.PerExampleGrad(grads)
 
 
 # --- the checks ---------------------------------------------------------------------
@@ -190,7 +220,7 @@ def _probe_values(like: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
 
 
 def _sub(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    dtype = L.compute_dtype(x.dtype)
+    dtype = N.compute_dtype(x.dtype)
     return x.to(dtype) - y.to(dtype)
 
 
@@ -233,13 +263,57 @@ def _signature(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             tuple(y.shape[1:]), y.dtype, w.dtype, None if b is None else b.dtype)
 
 
-def _fallback(module: nn.Module, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+def _fallback(module: nn.Module, reason: str) -> None:
     warn_slow_path(
         f"clip_backend 'ghost'/'auto': {type(module).__name__} has a norm-like weight (one 1-D weight of its input's last "
         f"dimension) but {reason}; its parameters take the per-module fallback (vmap of its vjp over examples: exact, "
         "slower)."
     )
-    return "fallback", args, kwargs
+    return None
 
 
-__all__ = ["KIND", "affine_norm_grad", "is_candidate", "route"]
+# --- registry entries ---------------------------------------------------------------
+
+
+class NormRule(Rule):
+    """``nn.LayerNorm`` / ``nn.GroupNorm`` / ``nn.RMSNorm`` running torch's own ``forward``."""
+
+    kind, types = "norm", NORM_TYPES
+
+    def reads_batched(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      batched: dict[int, bool]) -> bool:
+        a = first_input(args, kwargs)
+        return super().reads_batched(module, args, kwargs, batched) and a.dim() >= 2 and (
+            isinstance(module, nn.GroupNorm) or a.dim() > len(module.normalized_shape))  # type: ignore[arg-type]
+
+    def build(self, module: nn.Module, saved: tuple[torch.Tensor, ...], g: torch.Tensor, names: dict[str, int],
+              ctx: BuildContext) -> N.PerExampleGrad:
+        return norm_grad(module, saved[0], g, roles(names), ctx.dtype)
+
+
+class AffineNormRule(Rule):
+    """Any module that passes :func:`is_candidate` (structure), each call checked by
+    :func:`route_affine` (what it computes); the batch axis is the output's rows."""
+
+    kind = "affine_norm"
+
+    def claims(self, module: nn.Module) -> bool:
+        return is_candidate(module)
+
+    def reads_batched(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      batched: dict[int, bool]) -> bool:
+        return True  # it reads A(x), computed per call with the output's rows (checked by the caller)
+
+    def route(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+              output: Any) -> tuple[torch.Tensor, ...] | None:
+        return route_affine(module, args, kwargs, output)
+
+    def build(self, module: nn.Module, saved: tuple[torch.Tensor, ...], g: torch.Tensor, names: dict[str, int],
+              ctx: BuildContext) -> N.PerExampleGrad:
+        return affine_norm_grad(saved[0], g, roles(names), ctx.dtype)  # saved: A(x), from route_affine
+
+
+NORM, AFFINE_NORM = NormRule(), AffineNormRule()
+
+__all__ = ["AFFINE_NORM", "NORM", "NORM_TYPES", "AffineNormRule", "NormRule", "affine_norm_grad", "is_candidate",
+           "norm_grad", "route_affine"]
