@@ -93,6 +93,8 @@ def test_every_mode_validates_the_shared_options_the_same_way():
             make(pre_clip="scale")
         with pytest.raises(InputTypeError, match="second_moment"):
             make(second_moment="yes")
+    with pytest.raises(InputTypeError, match="per-group"):
+        auto_clipped_grad(_loss, clipping_norm=per_group(_data()[0], all=(1.0, "*")))
 
 
 # --- pre_clip -------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from opake_fx.dpsgd.clipping._entry import ClipMode, ClipOptions, count_call, ma
 from opake_fx.dpsgd.clipping._ghost import ClipBackend
 from opake_fx.dpsgd.clipping.types import FixedClipState
 from opake_fx.functional import FunctionalModel
-from opake_fx.errors import InputValueError
+from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.types import PerGroup
 
 __all__ = ["auto_clipped_grad"]
 
@@ -63,6 +64,11 @@ def auto_clipped_grad(
         0.0
     """
     check_clipping_norm(clipping_norm)
+    if isinstance(clipping_norm, PerGroup):
+        raise InputTypeError(
+            "auto_clipped_grad takes one clipping_norm R (every gradient is scaled to norm ~R); per-group norms are "
+            "not supported. Use clipped_grad(clipping_norm=per_group(...)) for per-group clipping."
+        )
     if not math.isfinite(clipping_norm):
         raise InputValueError("auto_clipped_grad needs a finite clipping_norm R: it scales every gradient to norm ~R.")
     if not (isinstance(gamma, (int, float)) and gamma >= 0 and math.isfinite(gamma)):
