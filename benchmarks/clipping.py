@@ -401,6 +401,10 @@ def main() -> None:
           f"{budget:.0f} s of timing per workload, settle {args.settle} (medians); "
           f"load average before {load}, after {os.getloadavg() if load else None}; {time.perf_counter() - t0:.0f}s\n")
     print(table(rows, "peak RSS growth (MiB)" if args.device == "cpu" else "peak CUDA memory beyond setup (MiB)"))
+    cores = os.cpu_count() or 1
+    if load is not None and max(load[0], os.getloadavg()[0]) > cores:
+        print(f"\nWARNING: the load average ({max(load[0], os.getloadavg()[0]):.1f}) was above the {cores} cores: other "
+              "processes shared them during the run, so these times and ratios do not describe this code.")
 
 
 if __name__ == "__main__":
