@@ -57,6 +57,7 @@ from typing import Any
 import optree
 import torch
 
+import opake_fx.validation as check
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths, zeros_like
 from opake_fx.transforms import Transform, unwrap
@@ -128,8 +129,8 @@ def sgd(
         [-0.5, -0.5]
     """
     _check_lr(learning_rate, "sgd")
-    momentum = _nonneg(momentum, "sgd", "momentum")
-    weight_decay = _nonneg(weight_decay, "sgd", "weight_decay")
+    momentum = check.non_negative(momentum, "momentum", "sgd")
+    weight_decay = check.non_negative(weight_decay, "weight_decay", "sgd")
     if not isinstance(nesterov, bool):
         raise InputTypeError(f"sgd needs nesterov to be a bool; got {type(nesterov).__name__}.")
     if nesterov and momentum == 0.0:
@@ -284,18 +285,18 @@ def _adam(
     gamma: float,
 ) -> Transform:
     _check_lr(learning_rate, name)
-    b1 = _unit_interval(b1, name, "b1")
-    b2 = _unit_interval(b2, name, "b2")
-    eps = _nonneg(eps, name, "eps")
-    weight_decay = _nonneg(weight_decay, name, "weight_decay")
-    gamma = _nonneg(gamma, name, "dp_bias_correction_gamma")
+    b1 = check.interval(b1, "b1", name, 0.0, 1.0, high_open=True)
+    b2 = check.interval(b2, "b2", name, 0.0, 1.0, high_open=True)
+    eps = check.non_negative(eps, "eps", name)
+    weight_decay = check.non_negative(weight_decay, "weight_decay", name)
+    gamma = check.non_negative(gamma, "dp_bias_correction_gamma", name)
     if dp_bias_correction is not None and dp_bias_correction != "auto":
         if isinstance(dp_bias_correction, str):
             raise InputValueError(
                 f"{name} needs dp_bias_correction to be None, 'auto' or a noise variance >= 0; "
                 f"got {dp_bias_correction!r}."
             )
-        dp_bias_correction = _nonneg(dp_bias_correction, name, "dp_bias_correction")
+        dp_bias_correction = check.non_negative(dp_bias_correction, "dp_bias_correction", name)
     # The floor of a private second moment, whose noised squares can be <= 0.
     gamma_floor = gamma if gamma > 0 else 1e-8
     if dp_bias_correction is not None and gamma == 0.0:
@@ -451,7 +452,7 @@ def _check_state(state: Any, cls: type, where: str) -> None:
 def _check_lr(lr: Any, where: str) -> None:
     if callable(lr):
         return
-    _nonneg(lr, where, "learning_rate")
+    check.non_negative(lr, "learning_rate", where)
 
 
 def _lr_at(lr: ScalarOrSchedule, count: int, where: str) -> float:
@@ -469,17 +470,3 @@ def _lr_at(lr: ScalarOrSchedule, count: int, where: str) -> float:
     return value
 
 
-def _nonneg(x: Any, where: str, name: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, Real):
-        raise InputTypeError(f"{where} needs {name} to be a real number; got {type(x).__name__} {x!r}.")
-    x = float(x)
-    if not math.isfinite(x) or x < 0:
-        raise InputValueError(f"{where} needs a finite {name} >= 0; got {x}.")
-    return x
-
-
-def _unit_interval(x: Any, where: str, name: str) -> float:
-    x = _nonneg(x, where, name)
-    if x >= 1.0:
-        raise InputValueError(f"{where} needs {name} in [0, 1); got {x}.")
-    return x

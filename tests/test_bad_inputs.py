@@ -142,7 +142,7 @@ CASES = [
          lambda: acc.calibrate(acc.epsilon_budget(0.01, delta=1e-5), lambda z: dpsgd_acc.gaussian(z), 0.1, 1.0),
          CalibrationError, "Widen the range"),
     # --- optimizers, schedules, keys, collectives
-    Case("sgd", "learning_rate < 0", lambda: sgd(-0.1), InputValueError, "finite learning_rate >= 0"),
+    Case("sgd", "learning_rate < 0", lambda: sgd(-0.1), InputValueError, "learning_rate must be finite and >= 0"),
     Case("cosine", "decay_steps 0", lambda: scheduling.cosine(1.0, decay_steps=0), InputValueError, "decay_steps >= 1"),
     Case("key", "a float seed", lambda: key(1.5), InputTypeError, "needs a Python int seed"),
     Case("key", "a seed >= 2**64", lambda: key(2**64), InputValueError, "seed below 2**64"),

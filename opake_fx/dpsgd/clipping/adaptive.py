@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from numbers import Real
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -15,6 +14,7 @@ from opake_fx.dpsgd.clipping._entry import ClipMode, ClipOptions, make_grad_fn
 from opake_fx.dpsgd.clipping._ghost import ClipBackend
 from opake_fx.dpsgd.clipping.fixed import clip_weights
 from opake_fx.functional import FunctionalModel
+import opake_fx.validation as check
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.random import RngKey, fold_in, normal
 
@@ -121,18 +121,18 @@ def adaptive_clipped_grad(
         raise InputValueError("adaptive clipping needs a finite initial_clipping_norm.")
     if not isinstance(key, RngKey):
         raise InputTypeError(f"key must be an RngKey (opake_fx.random.key(seed)); got {type(key).__name__}.")
-    target_quantile = _real(target_quantile, "target_quantile", "a fraction, e.g. 0.5 for the median norm")
-    if not 0.0 < target_quantile < 1.0:
-        raise InputValueError(f"target_quantile must be in (0, 1); got {target_quantile}.")
-    learning_rate = _real(learning_rate, "learning_rate", "the step of the geometric update, e.g. 0.2")
-    if not (learning_rate > 0 and math.isfinite(learning_rate)):
-        raise InputValueError(f"learning_rate must be finite and > 0; got {learning_rate} (Andrew et al. use 0.2).")
-    count_noise_multiplier = _real(count_noise_multiplier, "count_noise_multiplier", "about batch_size / 20")
-    if not (count_noise_multiplier >= 0 and math.isfinite(count_noise_multiplier)):
-        raise InputValueError(
-            f"count_noise_multiplier must be finite and >= 0; got {count_noise_multiplier}. "
-            "0 releases the exact count (not private); Andrew et al. use about batch_size / 20."
-        )
+    where = "adaptive_clipped_grad"
+    target_quantile = check.interval(
+        target_quantile, "target_quantile", where, 0.0, 1.0, low_open=True, high_open=True,
+        hint="It is a fraction, e.g. 0.5 for the median norm.",
+    )
+    learning_rate = check.positive(
+        learning_rate, "learning_rate", where, "It is the step of the geometric update; Andrew et al. use 0.2."
+    )
+    count_noise_multiplier = check.non_negative(
+        count_noise_multiplier, "count_noise_multiplier", where,
+        "0 releases the exact count (not private); Andrew et al. use about batch_size / 20.",
+    )
     options = ClipOptions.pick(locals())
 
     def advance(state: AdaptiveClipState, result: StepResult) -> AdaptiveClipState:
@@ -151,17 +151,13 @@ def adaptive_clipped_grad(
         advance=advance,
     )
     grad_fn = make_grad_fn(loss_fn, mode, options)  # validates the shared options
-    m = _real(
+    m = check.positive(
         expected_batch_size if expected_batch_size is not None else normalize_by,
         "expected_batch_size",
-        "the sample rate times the dataset size",
+        where,
+        "The noised count is divided by it to estimate the fraction of unclipped examples (an infinite one would "
+        "freeze that estimate at 1/2): pass the sample rate times the dataset size.",
     )
-    if not (m > 0 and math.isfinite(m)):
-        raise InputValueError(
-            f"expected_batch_size must be finite and > 0; got {m}. The noised count is divided by it to estimate "
-            "the fraction of unclipped examples (an infinite one would freeze that estimate at 1/2): pass the "
-            "sample rate times the dataset size."
-        )
     state = AdaptiveClipState(
         clipping_norm=float(initial_clipping_norm),
         step=0,
@@ -172,14 +168,3 @@ def adaptive_clipped_grad(
         expected_batch_size=m,
     )
     return grad_fn, state
-
-
-def _real(value: Any, name: str, hint: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise InputTypeError(
-            f"adaptive_clipped_grad: {name} must be a real number ({hint}); got {type(value).__name__} {value!r}."
-        )
-    value = float(value)
-    if math.isnan(value):
-        raise InputValueError(f"adaptive_clipped_grad: {name} is NaN; pass {hint}.")
-    return value
