@@ -285,3 +285,18 @@ def test_ranks_exit_when_their_kernel_is_killed(tmp_path):
         assert _wait_gone(pids, timeout=15) == []
     finally:
         proc.kill()
+
+
+def test_output_is_split_into_rank_prefixed_lines():
+    """Partial writes are held until their line ends; \\r (progress bars) ends a line too."""
+    seen: list[tuple[int, str, str]] = []
+    pool = DistPool.__new__(DistPool)  # only the output path, without processes
+    pool._echo, pool._partial = (lambda r, s, line: seen.append((r, s, line))), {}
+    pool._emit(1, "stdout", "step 1 ")
+    pool._emit(0, "stdout", "a\nb")
+    assert seen == [(0, "stdout", "a\n")]
+    pool._emit(1, "stdout", "done\n10%\r20%\r")
+    pool._emit(1, "stderr", "warning")
+    pool._flush_partial()
+    assert seen[1:] == [(1, "stdout", "step 1 done\n"), (1, "stdout", "10%\r"), (1, "stdout", "20%\r"),
+                        (0, "stdout", "b\n"), (1, "stderr", "warning\n")]
