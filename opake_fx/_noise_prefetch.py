@@ -44,6 +44,8 @@ load of about 2 gave the 1.28M-parameter embedding-bag step 154 -> 144 ms and th
 0.8M-parameter LM step 56.5 -> 56.2 ms; runs at a load of 10 were inconclusive.
 """
 
+_AUTO_MISSES = 2  # auto gives up after this many unused draws in a row
+
 Draw = tuple[list[torch.Tensor], list[torch.Tensor]]
 _Signature = tuple[RngKey, tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...], float]
 
@@ -81,7 +83,8 @@ class NoisePrefetcher:
     Args:
         enabled: ``True`` draws ahead whenever the leaves allow it (all on the CPU, or all
             on one CUDA device); ``False`` never does; ``None`` decides per call with
-            :func:`prefetch_by_default`.
+            :func:`prefetch_by_default`, and stops once two draws in a row went unused
+            (a stddev that changes every step, as under adaptive clipping).
 
     Privacy:
         None of its own: the numbers are those of the synchronous draw for the same key and
@@ -110,6 +113,7 @@ class NoisePrefetcher:
         self._last: tuple[Any, float] | None = None
         self.hits = 0
         """How many draws were served from a prefetch (for tests and benchmarks)."""
+        self._misses = 0  # pending draws dropped in a row (e.g. a clip norm that adapts every step)
 
     def draw(self, step_key: RngKey, leaves: Sequence[torch.Tensor], stddev: float) -> Draw:
         """``flat_tree_normal(step_key, leaves, stddev=stddev)``, from the pending draw if it matches."""
@@ -122,7 +126,10 @@ class NoisePrefetcher:
         if pending is not None and pending[0] == signature:
             result = _collect(pending[1])
             self.hits += 1
+            self._misses = 0
             return result
+        if pending is not None:
+            self._misses += 1
         _drop(pending)
         return flat_tree_normal(step_key, leaves, stddev=stddev)
 
@@ -173,7 +180,9 @@ class NoisePrefetcher:
         if self.enabled is False or not leaves:
             return False
         if self.enabled is None:
-            return prefetch_by_default(leaves)
+            # Auto stops drawing ahead once two draws in a row went unused: a stddev that
+            # changes every step (adaptive clipping) would otherwise draw every step twice.
+            return self._misses < _AUTO_MISSES and prefetch_by_default(leaves)
         devices = {leaf.device for leaf in leaves}
         return len(devices) == 1 and next(iter(devices)).type in ("cpu", "cuda")
 

@@ -214,3 +214,18 @@ def test_a_forked_child_draws_its_own_noise_and_does_not_hang() -> None:
     want, _ = _run(False, 2)
     assert queue.get(timeout=5) == _digest(want[1][0])  # step 1 of the inherited stage
     assert queue.get(timeout=5) == _digest(want[1][0])  # step 1 of the child's own
+
+
+def test_auto_stops_drawing_ahead_when_the_stddev_changes_every_step() -> None:
+    large = [torch.zeros(PREFETCH_MIN_VALUES)]
+    if not prefetch_by_default(large):
+        pytest.skip("auto never draws ahead on one core")
+    auto = NoisePrefetcher(enabled=None)
+    for step, std in enumerate([1.0, 0.9, 0.8, 0.7, 0.6]):  # an adaptive clip norm
+        got, _ = auto.normals(key(0), step, large, std)
+        assert _same(got, flat_tree_normal(fold_in(key(0), step), large, stddev=std)[0])
+    assert auto.hits == 0 and not auto.pending  # two unused draws, then none started
+    forced = NoisePrefetcher(enabled=True)
+    for step, std in enumerate([1.0, 0.9, 0.8]):
+        forced.normals(key(0), step, large, std)
+    assert forced.pending  # True keeps drawing ahead
