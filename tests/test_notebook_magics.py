@@ -300,3 +300,37 @@ def test_output_is_split_into_rank_prefixed_lines():
     pool._flush_partial()
     assert seen[1:] == [(1, "stdout", "step 1 done\n"), (1, "stdout", "10%\r"), (1, "stdout", "20%\r"),
                         (0, "stdout", "b\n"), (1, "stderr", "warning\n")]
+
+
+def test_listener_refuses_connections_without_the_secret():
+    """Only a client holding the pool's secret gets through the handshake; others are dropped."""
+    import queue as queue_mod
+    import threading
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client, Listener
+
+    from opake_fx.notebook import _wire
+
+    pool = DistPool.__new__(DistPool)  # only the accept loop, without torchrun
+    secret = os.urandom(32)
+    pool._listener = Listener(("127.0.0.1", 0), family="AF_INET", authkey=secret)
+    pool.nproc, pool._closing = 1, False
+    hellos: queue_mod.Queue = queue_mod.Queue()
+    thread = threading.Thread(target=pool._accept_loop, args=(hellos,), daemon=True)
+    thread.start()
+    try:
+        assert pool._listener.address[0] == "127.0.0.1"
+        with pytest.raises(AuthenticationError):
+            Client(pool._listener.address, family="AF_INET", authkey=os.urandom(32))
+        assert hellos.empty()
+        good = Client(pool._listener.address, family="AF_INET", authkey=secret)
+        good.send_bytes(_wire.encode(("hello", 0, 1, 0, os.getpid())))
+        conn, hello = hellos.get(timeout=10)
+        assert hello == ("hello", 0, 1, 0, os.getpid())
+        thread.join(timeout=5)
+        assert not thread.is_alive()  # it stops accepting once every rank joined
+        conn.close()
+        good.close()
+    finally:
+        pool._closing = True
+        pool._listener.close()
