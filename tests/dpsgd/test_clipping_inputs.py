@@ -26,7 +26,7 @@ def _adaptive(**kw):
     ("kw", "error", "match"),
     [
         ({"learning_rate": "x"}, InputTypeError, "learning_rate must be a real number"),
-        ({"learning_rate": math.nan}, InputValueError, "learning_rate is NaN"),
+        ({"learning_rate": math.nan}, InputValueError, "learning_rate must be finite and > 0; got NaN"),
         ({"learning_rate": 0.0}, InputValueError, "learning_rate must be finite and > 0"),
         ({"target_quantile": "half"}, InputTypeError, "target_quantile must be a real number"),
         ({"target_quantile": 1.0}, InputValueError, r"target_quantile must be in \(0, 1\)"),
