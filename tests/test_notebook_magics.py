@@ -334,3 +334,29 @@ def test_listener_refuses_connections_without_the_secret():
     finally:
         pool._closing = True
         pool._listener.close()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_interrupt_with_a_rank_blocked_in_a_collective_breaks_the_pool_instead_of_hanging(monkeypatch):
+    """Rank 1 waits in all_reduce for rank 0, which is interrupted first: no hang, the pool is stopped."""
+    import threading
+
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    pool = DistPool(2, backend="gloo", interrupt_grace=3.0, echo=lambda r, s, line: None)
+    pids = [pool.torchrun_pid, *pool.pids.values()]
+    timer = threading.Timer(2.0, os.kill, args=(os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        started = time.monotonic()
+        with pytest.raises(PoolBrokenError, match="did not stop within 3 s"):
+            pool.run_cell("import time, torch, torch.distributed as dist\n"
+                          "if rank == 0:\n    time.sleep(60)\n"
+                          "dist.all_reduce(torch.ones(1))")
+        assert time.monotonic() - started < 30
+        assert pool.state == "broken" and "did not stop" in pool.reason
+    finally:
+        timer.cancel()
+        pool.stop()
+    assert _wait_gone(pids) == []
