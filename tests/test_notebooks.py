@@ -91,6 +91,6 @@ def test_notebook_executes_under_nbmake(path):
         [sys.executable, "-m", "pytest", "--nbmake", "--nbmake-timeout=600", "-q", "-p", "no:cacheprovider",
          str(path.relative_to(ROOT))],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
     )
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
