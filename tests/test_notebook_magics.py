@@ -62,6 +62,8 @@ def test_pool_rejects_bad_arguments():
         DistPool(0)
     with pytest.raises(InputValueError, match="backend must be one of"):
         DistPool(2, backend="mpi")
+    with pytest.raises(InputValueError, match=r"launch\(fn, 2, \*args\)"):
+        launch(total_times_rank, 10.0)  # fn's argument where nproc goes
 
 
 @pytest.mark.distributed
@@ -103,7 +105,7 @@ def test_pool_runs_cells_pulls_values_and_stops_cleanly(monkeypatch):
 def test_launch_returns_rank_zeros_result(monkeypatch):
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
-    assert launch(total_times_rank, 10.0, nproc=2, backend="gloo") == 30.0
+    assert launch(total_times_rank, 2, 10.0, backend="gloo") == 30.0
 
 
 # --------------------------------------------------------------------- the kernel test

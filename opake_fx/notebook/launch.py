@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from opake_fx.errors import InputValueError
 from opake_fx.notebook.pool import DistPool
 
 __all__ = ["launch"]
@@ -14,13 +15,16 @@ __all__ = ["launch"]
 
 def launch(
     fn: Callable[..., Any],
-    *args: Any,
     nproc: int = 2,
+    *args: Any,
     backend: str = "auto",
     start_timeout: float = 300.0,
     **kwargs: Any,
 ) -> Any:
     """Calls ``fn(*args, **kwargs)`` on every rank of a new ``torchrun`` pool; returns rank 0's result.
+
+    ``launch(fn, nproc, *args)``: the number of ranks comes before ``fn``'s arguments
+    (``launch(train, 2, config)`` runs ``train(config)`` on 2 ranks).
 
     The ranks' process group is initialised before ``fn`` runs (use ``torch.distributed``
     inside it as under torchrun); the pool is stopped afterwards, also on error. ``fn``
@@ -37,6 +41,8 @@ def launch(
         **kwargs: its keyword arguments.
 
     Raises:
+        InputValueError: ``nproc`` is not an int >= 1 (e.g. ``fn``'s first argument was
+            passed where ``nproc`` goes).
         RankError: ``fn`` raised on a rank (named, with its traceback there).
         RankDiedError: a rank's process died.
 
@@ -47,8 +53,13 @@ def launch(
         ...     t = torch.tensor([x * (dist.get_rank() + 1)])
         ...     dist.all_reduce(t)
         ...     return t.item()
-        >>> launch(total, 10, nproc=2)  # doctest: +SKIP
+        >>> launch(total, 2, 10)  # doctest: +SKIP
         30
     """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise InputValueError(
+            f"launch(fn, nproc, *args): nproc must be an int >= 1, the number of ranks; got {nproc!r}. "
+            "fn's own arguments come after it: launch(fn, 2, *args)."
+        )
     with DistPool(nproc, backend=backend, start_timeout=start_timeout, echo=None) as pool:
         return pool.call(fn, *args, **kwargs)[0]
