@@ -362,3 +362,27 @@ def test_interrupt_with_a_rank_blocked_in_a_collective_breaks_the_pool_instead_o
         timer.cancel()
         pool.stop()
     assert _wait_gone(pids) == []
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_launch_sends_functions_defined_in_main_by_value(tmp_path):
+    """A function defined in a script or notebook (``__main__``) runs on the ranks too."""
+    import subprocess
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from opake_fx.notebook import launch\n"
+        "def f(x):\n"
+        "    import torch, torch.distributed as dist\n"
+        "    t = torch.tensor([float(x + dist.get_rank())])\n"
+        "    dist.all_reduce(t)\n"
+        "    return t.item()\n"
+        "if __name__ == '__main__':\n"
+        "    print('result', launch(f, 2, 5, backend='gloo'))\n",
+        encoding="utf-8",
+    )
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **ENV})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "result 11.0" in run.stdout
