@@ -499,10 +499,9 @@ CASES: list[Case] = [
         {"odd": 3, "B=T_enc": T5_ENC, "B=T_dec": T5_DEC, "B=buckets": T5_BUCKETS},
         {"vmap": "fast", "ghost": "any", "auto": "any"}),
     # No attention mask: the default vmap backend must run it as it is.
-    # ViTEmbeddings uses cls_token / position_embeddings in its own forward (no submodule call):
-    # they take the per-module fallback, exact and announced (no rule for such parameters yet).
-    _hf("vit", vit, vit_batch, vit_loss, {"odd": 3, "B=T": 5, "B=heads": HEADS},
-        {"vmap": "fast", "ghost": "slow", "auto": "slow"}),
+    # ViTEmbeddings uses cls_token (expanded to the batch) and position_embeddings (added) in its
+    # own forward, outside any submodule call: the elementwise rule takes both broadcasts.
+    _hf("vit", vit, vit_batch, vit_loss, {"odd": 3, "B=T": 5, "B=heads": HEADS}, FAST),
     _hf("llama_lora", llama_lora, text_batch, lm_loss, TEXT_SIZES, trainable=lambda n: "lora_" in n),
     Case("groupnorm_resnet", GroupNormResNet, image_batch(3, 6, 3), ce_loss,
          {"odd": 5, "B=channels": 4, "B=H=W": 6, "B=groups": 2}, FAST),

@@ -23,7 +23,8 @@ every call; :mod:`._rules_attention`).
 Whatever the rules cannot do exactly goes to an exact fallback, per parameter:
 
 * a module of another type (or a subclass with its own ``forward``) that owns
-  parameters: ``vmap`` of that module's vjp, restricted to its parameters (and to those
+  parameters (other than those it only broadcasts over the batch, which the elementwise
+  rule takes: :mod:`._rules_elementwise`): ``vmap`` of that module's vjp, restricted to its parameters (and to those
   of submodules it uses without calling them, like ``nn.MultiheadAttention.out_proj``);
 * a parameter used by several module calls (weight tying, a layer applied twice):
   per-example gradients of every call, summed (for an embedding this is ``[B, V, D]``);
@@ -51,6 +52,7 @@ from opake_fx.dpsgd.clipping import _numerics as N
 from opake_fx.dpsgd.clipping import _registry
 from opake_fx.dpsgd.clipping import _rules_fallback as FB
 from opake_fx.dpsgd.clipping._rule import BuildContext, Rule
+from opake_fx.dpsgd.clipping._rules_elementwise import ELEMENTWISE, watch
 from opake_fx.dpsgd.clipping._rules_fallback import FALLBACK
 from opake_fx.dpsgd.clipping._tied import sum_of_uses
 from opake_fx.dpsgd.clipping._provenance import BatchLayout, probe, signature, tensor_leaves
@@ -266,10 +268,12 @@ class _Capture:
         self.recording = False
         self.bindings: dict[nn.Module, dict[str, Any]] = {}
         self.active: dict[int, dict[str, int]] = {}
+        self.broadcast: dict[int, set[str]] = {}  # id(module) -> its parameters tapped as broadcasts in this call
 
     # -- phases --------------------------------------------------------------------------
 
     def forward(self) -> _Capture:
+        self.handles += watch(self.root, lambda m: _registry.lookup(m) is FALLBACK, self._on_broadcast)
         for m in self.root.modules():
             if m._parameters or isinstance(m, _BatchNorm):
                 self.handles.append(m.register_forward_hook(self._hook, with_kwargs=True))
@@ -341,9 +345,10 @@ class _Capture:
         rule = _registry.lookup(module)
         names = {}
         held = self._held_by_children(module)
+        broadcast = self.broadcast.pop(id(module), ())  # taken by the elementwise rule in this call
         for n, p in module._parameters.items():
             i = self.index.get(id(p))
-            if i is not None and id(p) not in held:  # a tied child parameter is the child call's
+            if i is not None and id(p) not in held and n not in broadcast:  # a tied child parameter is the child call's
                 names[n] = i
         rule.check(module, args, kwargs, batched, self.batch, bool(names))
         if rule.rewrites:
@@ -394,6 +399,25 @@ class _Capture:
         leaves, treedef = optree.tree_flatten(output)
         it = iter(tapped)
         return optree.tree_unflatten(treedef, [next(it) if isinstance(t, torch.Tensor) else t for t in leaves])
+
+    def _on_broadcast(self, module: nn.Module, use: int, name: str, expanded: torch.Tensor) -> torch.Tensor:
+        """A broadcast of ``module``'s own parameter ``name`` in its forward (._rules_elementwise):
+        tapped for the elementwise rule when it is differentiated and the probe found the
+        batch as the first axis of ``expanded``; else left as it is (its module's fallback)."""
+        p = module._parameters.get(name)
+        i = self.index.get(id(p)) if p is not None else None
+        if i is None or not torch.is_grad_enabled() or not self.layout.lookup_use(module, use, expanded, self.batch):
+            return expanded
+        report = None
+        if self.recording:
+            u = _Use(module, ELEMENTWISE, {name: i})
+            u.n_out = 1
+            self.uses.append(u)
+            self.by_leaf[i].append((u, name))
+            self._remember_bindings(module)
+            self.broadcast.setdefault(id(module), set()).add(name)
+            report = _Report(self, u)
+        return _Tap.apply(self.anchor, report, 0, expanded)
 
     def _held_by_children(self, module: nn.Module) -> set[int]:
         """Ids of the parameters a submodule also holds (``decoder.bias = self.bias`` in BERT's

@@ -13,6 +13,10 @@ the real batch is decided by the template it matches. A call that matches no tem
 or templates that disagree, is undecidable: its parameters take the exact whole-loss
 fallback (with a :class:`~opake_fx.errors.SlowPathWarning`), never a guess.
 
+The same runs record the broadcasts of parameters that modules without a rule make in
+their own ``forward`` (:mod:`._rules_elementwise`), numbered within each call, so the
+elementwise rule takes a broadcast only when its first axis is proven to be the batch.
+
 The same two runs check that the model does not mix examples: examples 0 and 1 must get
 the same losses whether or not example 2 is in the batch. A parameter-free operation
 across the batch (``h - h.mean(0)``) fails that check, and the fast backends refuse the
@@ -29,6 +33,9 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from opake_fx.dpsgd.clipping import _registry
+from opake_fx.dpsgd.clipping._rules_elementwise import watch
+from opake_fx.dpsgd.clipping._rules_fallback import FALLBACK
 from opake_fx.pytree import NAMESPACE
 
 Shape = tuple[int, ...]
@@ -54,13 +61,14 @@ class _Call:
     inputs: list[Shape]  # tensor leaves of (args, kwargs), in flattening order
     outputs: list[Shape]
     rows: torch.Tensor | None  # float64 [2, 2]: sum and abs-sum of rows 0 and 1 of the first float input
+    use: int | None = None  # a broadcast of the module's own parameter (._rules_elementwise): its number
 
 
 @dataclass
 class BatchLayout:
     """The probe's verdicts for one call signature of the loss."""
 
-    templates: dict[int, list[tuple[Template, Template, tuple[bool, ...], tuple[bool, ...]]]] = field(default_factory=dict)
+    templates: dict[Any, list[tuple[Template, Template, tuple[bool, ...], tuple[bool, ...]]]] = field(default_factory=dict)
     mixing: str | None = None  # an error message, when the model mixes examples
     mixing_checked: bool = False
 
@@ -74,6 +82,17 @@ class BatchLayout:
                     return None  # two templates fit with different verdicts: no guess
                 found = (vin, vout)
         return found
+
+    def lookup_use(self, module: nn.Module, use: int, expanded: torch.Tensor, batch: int) -> bool:
+        """Whether the broadcast ``use`` (numbered within a call of ``module``) gave a tensor whose
+        first axis is the batch (False where undecidable)."""
+        found = None
+        for _, tout, _, vout in self.templates.get((id(module), use), []):
+            if _matches(tout, [expanded], batch):
+                if found is not None and found != vout:
+                    return False
+                found = vout
+        return bool(found is not None and found[0])
 
 
 def probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -96,6 +115,7 @@ def probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], k
             calls: list[_Call] = []
             handles = [m.register_forward_hook(_recorder(calls), with_kwargs=True)
                        for m in root.modules() if m._parameters or isinstance(m, _BatchNorm)]
+            handles += watch(root, _broadcast_candidate, _use_recorder(calls))
             try:
                 with torch.no_grad():
                     out = loss_fn(*sub, **kwargs)
@@ -115,11 +135,14 @@ def probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], k
         return BatchLayout()
     layout = BatchLayout()
     for a, b in zip(small, large):
+        if a.use != b.use:
+            return BatchLayout()
         tin, vin = _template(a.inputs, b.inputs)
         tout, vout = _template(a.outputs, b.outputs)
         entry = (tin, tout, vin, vout)
-        if entry not in layout.templates.setdefault(id(a.module), []):
-            layout.templates[id(a.module)].append(entry)
+        key: Any = id(a.module) if a.use is None else (id(a.module), a.use)
+        if entry not in layout.templates.setdefault(key, []):
+            layout.templates[key].append(entry)
     if batch >= 2:  # with one distinct example nothing can mix
         found = _mixing(root, small, large, loss_small, loss_large)
         if found is not _UNDECIDED:  # else checked again at the next call
@@ -165,6 +188,18 @@ def _recorder(calls: list[_Call]) -> Callable[..., None]:
         calls.append(_Call(module, [tuple(t.shape) for t in inputs], [tuple(t.shape) for t in tensor_leaves(output)], rows))
 
     return hook
+
+
+def _use_recorder(calls: list[_Call]) -> Callable[[nn.Module, int, str, torch.Tensor], torch.Tensor]:
+    def on_use(module: nn.Module, use: int, name: str, expanded: torch.Tensor) -> torch.Tensor:
+        calls.append(_Call(module, [], [tuple(expanded.shape)], None, use))
+        return expanded
+
+    return on_use
+
+
+def _broadcast_candidate(module: nn.Module) -> bool:
+    return _registry.lookup(module) is FALLBACK
 
 
 def _template(small: list[Shape], large: list[Shape]) -> tuple[Template, tuple[bool, ...]]:

@@ -21,6 +21,11 @@ entry                  claims                                     file
 A torch type is claimed only when the module runs that type's own ``forward`` (a subclass
 with its own ``forward`` computes something else and goes on down the table).
 
+Two entries claim no module; other entries create their calls: ``projection`` (the
+attention rule's tapped input projections) and ``elementwise`` (``_rules_elementwise.py``:
+broadcasts of a module's own parameters, watched while a module that only the fallback
+would take runs its ``forward``).
+
 Example:
     >>> from torch import nn
     >>> from opake_fx.dpsgd.clipping import _registry

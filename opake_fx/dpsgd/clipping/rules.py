@@ -3,7 +3,8 @@
 ``clip_backend="ghost"`` / ``"auto"`` read each layer's input and output gradient in one
 batched backward pass and turn them into per-example norms through *rules*. Linear,
 convolution, embedding, embedding-bag, normalisation (by what it computes) and attention
-layers have built-in rules; a module of another type takes an exact but slower fallback
+layers, and parameters a module broadcasts over the batch (cls tokens, position
+embeddings), have built-in rules; a module of another type takes an exact but slower fallback
 (with a :class:`~opake_fx.errors.SlowPathWarning`). :func:`register_rule` adds a rule for
 a module type of yours, in the manner of Opacus's per-layer registry: it is an entry of
 the same registry as the built-in rules (consulted before them), so the backends treat

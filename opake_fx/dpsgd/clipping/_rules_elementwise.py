@@ -1,0 +1,153 @@
+"""Parameters a module broadcasts over the batch in its own ``forward``: cls tokens, position embeddings.
+
+ViT's embeddings module holds ``cls_token`` ``[1, 1, D]`` and ``position_embeddings``
+``[1, T, D]`` and uses them outside any submodule call: ``cls_token.expand(B, -1, -1)``
+(then concatenated to the patch embeddings) and ``embeddings + position_embeddings``.
+Such a use is a *broadcast* of the parameter ``P`` to a tensor ``E`` whose first axis is
+the batch: ``E = P.expand(B, ...)``, or ``x + P`` = ``x + P.expand(out.shape)``. Example
+``i``'s gradient of ``P`` is then ``g_i`` (the gradient of the batch loss w.r.t. ``E``'s
+row ``i``) summed over the axes ``P`` was broadcast along: ``[B, *P.shape]``, as small as
+the parameter, computed directly.
+
+While a module without a rule runs its ``forward``, a torch function mode
+(:class:`Broadcasts`) watches the calls whose operand *is* one of the parameters the
+module holds directly: ``Tensor.expand`` / ``expand_as``, and ``add`` with the parameter
+as one of two operands (``alpha`` 1, no ``out``). Each such use is numbered within the
+call; whether ``E``'s first axis is the batch is decided by provenance (the probe of
+:mod:`._provenance` records the same uses at sub-batches of 2 and 3), never by a size.
+A use that passes is replaced by the same value through a tap, and the parameter leaves
+the module's fallback; any other use of it (another op, a use the probe cannot decide)
+is seen by the graph-use count and takes an exact fallback with a
+:class:`~opake_fx.errors.SlowPathWarning`, as before.
+
+Privacy contract: the engine's weights come from certified norms of the stored
+``[B, *P.shape]`` per-example gradients that the weighted sum reads, so each example's
+contribution is at most ``C`` as computed in floating point.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from opake_fx.dpsgd.clipping import _numerics as N
+from opake_fx.dpsgd.clipping._rule import BuildContext, Rule
+
+_EXPAND = (torch.Tensor.expand, torch.Tensor.expand_as)
+_ADD = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)
+
+#: ``(module, use number, parameter name, E) -> replacement for E`` (or E itself)
+OnUse = Callable[[nn.Module, int, str, torch.Tensor], torch.Tensor]
+
+
+def direct_parameters(module: nn.Module) -> dict[int, str]:
+    """``id(tensor) -> name`` of the parameters ``module`` holds directly and no submodule also holds."""
+    held = {id(p) for child in module.children() for m in child.modules() for p in m._parameters.values()
+            if p is not None}
+    return {id(p): n for n, p in module._parameters.items() if p is not None and id(p) not in held}
+
+
+class Broadcasts(TorchFunctionMode):
+    """Watches one module call's forward for broadcasts of its own parameters (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, params: dict[int, str], on_use: OnUse) -> None:
+        super().__init__()
+        self.module, self.params, self.on_use = module, params, on_use
+        self.count = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = self._broadcast_of(func, args, kwargs, out)
+        if name is None:
+            return out
+        k, self.count = self.count, self.count + 1
+        param = next(a for a in args if isinstance(a, torch.Tensor) and self.params.get(id(a)) == name)
+        if func in _EXPAND:
+            return self.on_use(self.module, k, name, out)
+        other = args[1] if args[0] is param else args[0]
+        expanded = param.expand(out.shape)
+        tapped = self.on_use(self.module, k, name, expanded)
+        if tapped is expanded:
+            return out
+        return other + tapped if args[1] is param else tapped + other
+
+    def _broadcast_of(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> str | None:
+        """The parameter's name when the call broadcasts one of ours to a new leading axis."""
+        if not isinstance(out, torch.Tensor) or out.dim() == 0 or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        if func in _EXPAND:
+            name = self.params.get(id(args[0]))
+            param = args[0]
+        elif func in _ADD and len(args) == 2 and not kwargs and isinstance(args[1], torch.Tensor):
+            a, b = self.params.get(id(args[0])), self.params.get(id(args[1]))
+            if (a is None) == (b is None):
+                return None  # no parameter of ours, or two
+            name = a or b
+            param = args[0] if a is not None else args[1]
+            if out.dtype != param.dtype:
+                return None  # a type promotion would make the sum not `other + P`
+        else:
+            return None
+        if name is None:
+            return None
+        shape = (1,) * (out.dim() - param.dim()) + tuple(param.shape)
+        if len(shape) != out.dim() or shape[0] != 1:
+            return None  # the parameter must not have a size along the example axis
+        return name
+
+
+def watch(root: nn.Module, candidate: Callable[[nn.Module], bool], on_use: OnUse) -> list[Any]:
+    """Hooks that run :class:`Broadcasts` during the ``forward`` of every module of ``root``
+    for which ``candidate`` holds and that holds parameters directly; returns the handles."""
+    handles: list[Any] = []
+    for m in root.modules():
+        if not m._parameters or not candidate(m):
+            continue
+        active: list[Broadcasts] = []
+
+        def enter(module: nn.Module, args: Any, active: list[Broadcasts] = active) -> None:
+            params = direct_parameters(module)
+            if params:
+                mode = Broadcasts(module, params, on_use)
+                mode.__enter__()
+                active.append(mode)
+            else:
+                active.append(None)  # type: ignore[arg-type]
+
+        def leave(module: nn.Module, args: Any, output: Any, active: list[Broadcasts] = active) -> None:
+            mode = active.pop() if active else None
+            if mode is not None:
+                mode.__exit__(None, None, None)
+
+        handles.append(m.register_forward_pre_hook(enter))
+        handles.append(m.register_forward_hook(leave, always_call=True))
+    return handles
+
+
+class ElementwiseRule(Rule):
+    """One broadcast use of a parameter (tapped by :class:`Broadcasts`; claims no module)."""
+
+    kind = "elementwise"
+
+    def claims(self, module: nn.Module) -> bool:
+        return False
+
+    def build(self, module: nn.Module, saved: tuple[torch.Tensor, ...], g: torch.Tensor, names: dict[str, int],
+              ctx: BuildContext) -> N.PerExampleGrad:
+        (name,) = names
+        param = module._parameters[name]
+        assert param is not None
+        shape = (1,) * (g.dim() - param.dim()) + tuple(param.shape)
+        g = N.as_dtype(g, N.compute_dtype(ctx.dtype))
+        dims = [j for j in range(1, g.dim()) if shape[j] == 1 and g.shape[j] != 1]
+        per = g.sum(dim=dims, keepdim=True) if dims else g
+        return N.PerExampleGrad({name: per.reshape(g.shape[0], *param.shape)})
+
+
+ELEMENTWISE = ElementwiseRule()
+
+__all__ = ["ELEMENTWISE", "Broadcasts", "ElementwiseRule", "direct_parameters", "watch"]

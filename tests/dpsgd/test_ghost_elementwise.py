@@ -1,0 +1,129 @@
+"""The elementwise rule: parameters a module broadcasts over the batch in its own forward
+(ViT-style cls token expanded and concatenated, position embeddings added)."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from opake_fx.dpsgd.clipping import clipped_grad
+from opake_fx.errors import SlowPathWarning
+from opake_fx.functional import make_functional
+from tests.dpsgd.test_ghost_norm_like import assert_exact
+
+BACKENDS = ["ghost", "auto"]
+T, D = 4, 6
+
+
+class Embed(nn.Module):
+    """Patches -> tokens, a cls token expanded to the batch and concatenated, positions added."""
+
+    def __init__(self, how: str = "vit") -> None:
+        super().__init__()
+        self.how = how
+        self.proj = nn.Linear(3, D)
+        self.cls = nn.Parameter(torch.randn(1, 1, D))
+        self.pos = nn.Parameter(torch.randn(1, T + 1, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        b = h.shape[0]
+        if self.how == "vit":
+            h = torch.cat((self.cls.expand(b, -1, -1), h), dim=1)
+            return h + self.pos
+        if self.how == "radd":  # parameter first, expand_as, torch.add
+            h = torch.cat((self.cls.expand_as(h[:, :1]), h), dim=1)
+            return torch.add(self.pos, h)
+        if self.how == "no-batch":  # a broadcast to [T + 1, T + 1, D]: its first axis may equal B, never the batch
+            h = torch.cat((self.cls.expand(b, -1, -1), h), dim=1)
+            return h + self.pos.expand(T + 1, T + 1, D).mean(0, keepdim=True)
+        if self.how == "scaled":  # another use of the same parameter besides the broadcast
+            h = torch.cat((self.cls.expand(b, -1, -1), h), dim=1)
+            return h + self.pos + 0.5 * self.pos
+        raise ValueError(self.how)
+
+
+class Net(nn.Module):
+    def __init__(self, how: str = "vit") -> None:
+        super().__init__()
+        self.embed = Embed(how)
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.norm(self.embed(x)))).mean(1)
+
+
+def run_exact(how: str, backend: str, batch: int, monkeypatch: pytest.MonkeyPatch | None) -> list[str]:
+    """Clipped sum and norms against the per-example loop in float64 (with ``monkeypatch``:
+    every vmap fallback is an error); returns the SlowPathWarning messages."""
+    torch.manual_seed(batch)
+    return assert_exact(Net(how), torch.randn(batch, T, 3, dtype=torch.float64), backend, monkeypatch)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["vit", "radd"])
+@pytest.mark.parametrize("batch", [3, 1, T + 1, D])  # B equal to the sequence (with cls) and the width
+def test_broadcast_parameters_take_the_rule_exactly(how: str, backend: str, batch: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    assert run_exact(how, backend, batch, monkeypatch) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_broadcast_without_the_batch_axis_stays_on_the_exact_fallback(backend: str) -> None:
+    # pos[0].expand(T + 1, D) has a first axis of T + 1 = B here: never taken for the batch.
+    slow = run_exact("no-batch", backend, T + 1, None)
+    assert any("embed.pos" in m for m in slow), slow
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_another_use_of_the_parameter_takes_an_exact_fallback(backend: str) -> None:
+    slow = run_exact("scaled", backend, 3, None)
+    assert any("embed.pos" in m for m in slow), slow
+
+
+NIGHTLY = os.environ.get("HYPOTHESIS_PROFILE") == "nightly"
+
+
+@settings(max_examples=2000 if NIGHTLY else 40, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+@given(
+    backend=st.sampled_from(BACKENDS),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    scale=st.sampled_from([1e-30, 1e-6, 1.0, 1e6, 1e30]),
+    g_scale=st.sampled_from([1e-20, 1e-3, 1.0, 1e6, 1e20]),
+    c=st.sampled_from([1e-4, 1e-2, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_contribution_at_most_c(backend: str, dtype: torch.dtype, scale: float, g_scale: float, c: float,
+                                        seed: int) -> None:
+    # One example whose position gradients alternate in sign: the sums over positions that
+    # form d(pos) and d(cls) cancel; huge and tiny scales on both sides.
+    torch.manual_seed(seed)
+    model = Net("vit")
+    with torch.no_grad():
+        model.embed.pos.mul_(scale)
+        model.embed.cls.mul_(scale)
+    model = model.to(dtype)
+    fmodel, params = make_functional(model)
+    x = torch.randn(1, T, 3).to(dtype)
+    sign = torch.tensor([(-1.0) ** k for k in range(2)])
+    y = (g_scale * sign)[None].to(dtype)
+
+    def loss(p: Any, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return (fmodel(p, xb).float() * yb.float()).sum(1)
+
+    fn, state = clipped_grad(loss, clipping_norm=c, batch_argnums=(1, 2), return_aux=True, clip_backend=backend,
+                             model=fmodel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowPathWarning)  # the rule itself must hold the bound
+        (out, aux), _ = fn(params, x, y, state=state)
+    total = math.sqrt(sum(float(v.double().square().sum()) for v in out.pytree))
+    assert total <= c, f"contribution {total} > C = {c} (norm reported {float(aux.grad_norms[0])})"
