@@ -66,6 +66,24 @@ class _DpftrlSampler(KeyedSampler):
     def __init__(self, dataset: Any, n_steps: Any, key: RngKey) -> None:
         super().__init__(dataset, n_steps, key, max_steps=_MAX_STEPS)
 
+    def _parse_cursor(self, state: Any) -> Any:
+        # The participation guarantee (groups, bins, rests of min_sep - 1 steps) holds for ONE key over
+        # the whole run: the steps already taken were drawn with the key this shard's sampler was built
+        # with, so a state carrying another key (another rank's, another run's) would continue a pattern
+        # these examples never followed (gaps below min_sep, a second group or bin).
+        restore = super()._parse_cursor(state)
+        words = state["key"]
+        saved = RngKey((int(words[0]), int(words[1])))
+        if saved != self.key:
+            raise InputValueError(
+                f"{type(self).__name__}.load_state_dict: the saved key {saved} differs from this sampler's key "
+                f"{self.key}. Its participation guarantee holds for one key over the whole run, so a state saved "
+                "with another key (another rank's shard, another run) would break the pattern the accounting "
+                "charges. Build the sampler with the key the state was saved with (per rank: fold_in(key, rank), "
+                "as DPPlan.sampler does) and load that rank's own state."
+            )
+        return restore
+
 
 class _GroupedSampler(_DpftrlSampler):
     """Examples assigned to ``num_groups`` groups uniformly and independently (keyed)."""
