@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from opake_fx.accounting.incremental import IncrementalPld
 # _compose/_repeat: compose/repeat without their signature check; step() runs once per
 # training step and checks its own argument.
 from opake_fx.accounting.process import DpProcess, _compose, _repeat, identity, process_from_dict
-from opake_fx.errors import BudgetExceededError, InputTypeError, InputValueError
+from opake_fx.errors import BudgetExceededError, InputTypeError, InputValueError, OpakeError
 
 __all__ = ["Accountant"]
 
@@ -330,8 +331,12 @@ class Accountant:
             InputValueError: an unknown version, or a field missing or of the wrong form
                 (named).
 
-        Privacy: the running composition is trusted to be the one saved with the spent
-        process (a checkpoint's checksum and digest vouch for it); only its form is checked.
+        Privacy: the running composition is not trusted blindly (a checkpoint's digest is a
+        checksum, not a MAC): it is compared once with the one-shot composition of the saved
+        spent process, and a state that would report less epsilon (beyond 1e-4 relative
+        rounding), a lower RDP curve, or a counted-down headroom that no longer fits the
+        budget is refused. That comparison costs one composition of the spent process (as
+        loading a version-1 state does).
         """
         version = state.get("version")
         expected = {1: {"version", "budget", "spent"}, 2: {"version", "budget", "spent", "running"}}
@@ -390,10 +395,83 @@ class Accountant:
                 raise InputValueError(f"{where}/rdp_todo/{i}: expected [process, count]; got None.")
             out._rdp_todo.append(run)
         out._probe = None
+        out._check_running_against_spent()
         return out
+
+    def _check_running_against_spent(self) -> None:
+        """Refuses a running state that reports less than the saved spent process composes to.
+
+        The running state is not a MAC-protected value: a hand-made, spliced or edited state
+        (even with a recomputed checkpoint digest) could carry an empty composition next to a
+        long spent process. So it is compared once with the one-shot composition of
+        ``spent`` (the version-1 load path's cost): the running PLD (with its pending run)
+        must report a delta at least the one-shot one's, less ``_DELTA_TOLERANCE``, on a grid
+        of epsilons and at the budget's point; the running RDP curve at least the spent
+        one; and a counted-down headroom must still fit in the budget.
+        """
+        where = "Accountant state/running"
+        fix = (
+            "Resume from the checkpoint the run saved (its running state and spent process together), or drop "
+            "the running state (state_dict() without running=True) to recompose the spent process."
+        )
+        try:
+            spent_rdp: np.ndarray | None = self.spent.rdp()
+        except OpakeError:  # a step without an RDP curve: the RDP side is never reported
+            spent_rdp = None
+        if spent_rdp is not None:
+            running_rdp = np.zeros_like(spent_rdp) if self._rdp_sum is None else np.array(self._rdp_sum)
+            for process, n in self._rdp_todo:
+                running_rdp = running_rdp + n * process.rdp()
+            if bool((running_rdp < spent_rdp * (1.0 - 1e-9) - 1e-12).any()):
+                raise InputValueError(
+                    f"{where}: its RDP curve is below that of the saved spent process (it would under-report "
+                    f"epsilon). {fix}"
+                )
+        if self._pld is not None:
+            running = self._pld if self._run is None else self._pld.then(_repeat(*self._run))
+            oneshot = self.spent.pld(self._budget.discretization)
+            top = oneshot.epsilon_at(_CHECK_DELTA_FLOOR)
+            grid = np.linspace(0.0, 1.25 * top if math.isfinite(top) else 100.0, _CHECK_POINTS).tolist()
+            if self._budget.metric == "epsilon":
+                grid.append(oneshot.epsilon_at(self._budget.delta))
+            else:
+                grid.append(self._budget.epsilon)
+            for e in grid:
+                got, want = running.delta_at(e), oneshot.delta_at(e)
+                if got < want - _DELTA_TOLERANCE:
+                    raise InputValueError(
+                        f"{where}: the running composition reports delta={got:.6g} at epsilon={e:.6g}, below the "
+                        f"{want:.6g} that the saved spent process composes to (it would under-report what was spent): "
+                        f"the running state does not belong to this spent process. {fix}"
+                    )
+            if self._headroom is not None and self._headroom[1] > 0:
+                process, n = self._headroom
+                if self._budget.measure_profile(running.then(_repeat(process, n))) > self._budget.value * (1.0 + _RUNNING_TOLERANCE):
+                    raise InputValueError(
+                        f"{where}/headroom: {n} more steps of {process!r} do not fit in the budget; the accountant "
+                        f"would take them unchecked. {fix}"
+                    )
+        elif self._headroom is not None and self._headroom[1] > 0 and spent_rdp is not None:
+            process, n = self._headroom
+            if self._budget.measure_profile(_RdpProfile(spent_rdp + n * process.rdp())) > self._budget.value * (1.0 + _RUNNING_TOLERANCE):
+                raise InputValueError(
+                    f"{where}/headroom: {n} more steps of {process!r} do not fit in the budget; the accountant "
+                    f"would take them unchecked. {fix}"
+                )
 
     def __repr__(self) -> str:
         return f"Accountant(budget={self._budget!r}, spent={self.spent!r})"
+
+
+# A resumed running composition is compared with the one-shot one in delta at _CHECK_POINTS
+# epsilons from 0 to 1.25 x the one-shot epsilon at delta = _CHECK_DELTA_FLOOR (and at the
+# budget's point); honest pairs differ by <= ~1e-12 in delta there (their tails are cut
+# differently), so _DELTA_TOLERANCE is what a state may under-report by. Headroom checks allow
+# _RUNNING_TOLERANCE (relative) for the other order of composition.
+_CHECK_POINTS = 64
+_CHECK_DELTA_FLOOR = 1e-12
+_DELTA_TOLERANCE = 1e-11
+_RUNNING_TOLERANCE = 1e-4
 
 
 class _RdpProfile:
