@@ -166,9 +166,11 @@ class DPPlan:
     clip_backend: str = "vmap"
     accountant_kind: str = "pld"
     min_sep: int | None = None
+    augmult: int = 1
 
     def __post_init__(self) -> None:
         n = check.integer(self.dataset_size, "dataset_size", "DPPlan", minimum=1)
+        check.integer(self.augmult, "augmult", "DPPlan", minimum=1)
         check.choice(self.sampling, "sampling", "DPPlan", SAMPLERS)
         check.choice(self.mechanism, "mechanism", "DPPlan", MECHANISMS)
         if self.sampling not in COMPATIBLE[self.mechanism]:
@@ -297,8 +299,15 @@ class DPPlan:
         key: RngKey,
         model: Any = None,
         batch_argnums: Sequence[int] = (1, 2),
+        augment: Callable[..., Any] | None = None,
+        augment_key: RngKey | None = None,
     ) -> Any:
         """``named_chain(clip, psum, noise, opt)`` with the plan's clip norm, normalisation and noise.
+
+        With ``augmult=K > 1`` the clip stage is :func:`opake_fx.augmult.augmult`: each
+        example's gradient is averaged over ``K`` copies ``augment(keys, x)`` before it is
+        clipped (same sensitivity, same accounting); ``augment`` and ``augment_key`` (not
+        the noise key) are then required.
 
         Args:
             loss_fn: ``loss_fn(params, *batch)``: one example for ``clip_backend="vmap"``,
@@ -307,6 +316,9 @@ class DPPlan:
             key: the noise key (the SAME on every rank; not the sampler key).
             model: the functional model, for ``"ghost"``/``"auto"``.
             batch_argnums: the positions of the batch tensors in ``loss_fn``.
+            augment: with ``augmult > 1``: ``augment(keys [B, 2], x [B, ...]) -> [B, ...]``,
+                acting on each example alone (e.g. :func:`opake_fx.augmult.random_shift`).
+            augment_key: with ``augmult > 1``: the augmentation key.
 
         Privacy: clip to ``clipping_norm``, divide by ``batch_size``, sum over ranks, add
         ``noise_multiplier * clipping_norm / batch_size`` Gaussian noise (DP-FTRL: the
@@ -325,9 +337,23 @@ class DPPlan:
                                    max_participations=p.max_participations, n_steps=p.steps)
         else:
             noise_stage = noise(noise_multiplier=self.noise_multiplier, key=key)
+        clip_args = dict(clipping_norm=self.clipping_norm, normalize_by=self.batch_size,
+                         batch_argnums=tuple(batch_argnums), clip_backend=self.clip_backend, model=model)
+        if self.augmult > 1:
+            from opake_fx.augmult import augmult
+
+            if augment is None or augment_key is None:
+                raise InputValueError(
+                    f"DPPlan(augmult={self.augmult}).pipeline needs augment=fn(keys, x) and augment_key=key(...) "
+                    "(the augmentation and its own key, not the noise key)."
+                )
+            clip_stage = augmult(loss_fn, augment=augment, multiplicity=self.augmult, key=augment_key, **clip_args)
+        elif augment is not None:
+            raise InputValueError("DPPlan.pipeline(augment=...) needs a plan with augmult=K >= 2 (the copies per example).")
+        else:
+            clip_stage = clip(loss_fn, **clip_args)
         return named_chain(
-            ("clip", clip(loss_fn, clipping_norm=self.clipping_norm, normalize_by=self.batch_size,
-                          batch_argnums=tuple(batch_argnums), clip_backend=self.clip_backend, model=model)),
+            ("clip", clip_stage),
             ("psum", psum()),
             ("noise", noise_stage),
             ("opt", optimizer),

@@ -132,3 +132,26 @@ def test_random_shift_is_row_wise_and_keyed():
     b = augment_copies(random_shift, x, 2, key(1))
     assert torch.equal(a, b)
     assert not torch.equal(a, augment_copies(random_shift, x, 2, key(2)))
+
+
+def test_plan_augmult_builds_the_augmult_clip_stage():
+    from opake_fx.optimizers import sgd
+    from opake_fx.plan import DPPlan
+
+    module = _model()
+    fmodel, params = make_functional(module)
+    x, y = _data()
+    plan = DPPlan(dataset_size=100, batch_size=5, steps=10, clipping_norm=C, noise_multiplier=0.0, clip_backend="auto",
+                  augmult=K)
+    assert DPPlan(**plan.to_dict()) == plan
+    loss_fn = lambda p, xb, yb: F.cross_entropy(fmodel(p, xb), yb, reduction="none")  # noqa: E731
+    with pytest.raises(InputValueError, match="augment_key"):
+        plan.pipeline(loss_fn, sgd(0.1), key=key(0), model=fmodel)
+    pipeline = plan.pipeline(loss_fn, sgd(1.0), key=key(0), model=fmodel, augment=random_shift, augment_key=key(3))
+    updates, state = pipeline.update((x, y), pipeline.init(params), params)
+    want = _reference(module, x, y, fold_in(key(3), 0), normalize_by=5.0)  # sigma 0: the update is -clipped mean
+    for a, b in zip(leaves(updates), want):
+        torch.testing.assert_close(a, -b, rtol=1e-10, atol=1e-12)
+    with pytest.raises(InputValueError, match="augmult"):
+        DPPlan(dataset_size=100, batch_size=5, steps=10, noise_multiplier=0.0).pipeline(
+            loss_fn, sgd(0.1), key=key(0), model=fmodel, augment=random_shift, augment_key=key(3))
