@@ -115,6 +115,11 @@ class CanaryScoreAuditor:
         30%, 40%, 45%, 50% of the canaries (Bonferroni over the 9); a number guesses
         the scores >= it; ``"split"`` picks the fraction on one random half (``key``)
         and bounds on the other.
+
+        Raises:
+            InputValueError: in/out counts that fair coins give with probability below
+                ``significance`` (a fixed, unbalanced design, for which guessing "in" is
+                right more than half the time even for a mechanism that leaks nothing).
         """
         bounds._significance(significance, "epsilon_one_run")
         bounds._delta(delta, "epsilon_one_run", allow_zero=True)
@@ -202,6 +207,7 @@ class CanaryScoreAuditor:
 
     def _top_k(self, threshold: Any, key: Any, significance: float, bound: Any) -> float:
         m = self.n_in + self.n_out
+        self._check_coin_flipped(significance)
         if threshold is None:
             return bound(self._estimate(), significance, _top_grid(m))
         if isinstance(threshold, str):
@@ -222,6 +228,27 @@ class CanaryScoreAuditor:
             raise InputValueError("threshold is NaN.")
         k = int((self.in_scores >= t).sum() + (self.out_scores >= t).sum())
         return bound(self._estimate(), significance, [(k, 0)]) if k else 0.0
+
+
+    def _check_coin_flipped(self, significance: float) -> None:
+        """Refuses in/out counts that independent fair coins give with probability below ``significance``.
+
+        The one-run bounds compare the right guesses with a ``Binomial(k, e^eps / (1 + e^eps))``:
+        that needs membership decided by fair coins. With a fixed, unbalanced design (e.g. 900
+        in, 100 out) guessing "in" is right 90% of the time whatever the mechanism, and a
+        mechanism with epsilon 0 would audit to ~1.7. Fair coins give such counts with
+        probability below ``significance``, so refusing them keeps the bound's error rate.
+        """
+        m = self.n_in + self.n_out
+        p = float(scipy.stats.binomtest(self.n_in, m, 0.5).pvalue)
+        if p < significance:
+            raise InputValueError(
+                f"CanaryScoreAuditor: {self.n_in} in- and {self.n_out} out-canaries are not what independent fair "
+                f"coins give (two-sided binomial p = {p:.3g} < significance {significance:g}); the one-run bounds "
+                "assume coin-flipped membership and would report epsilon > 0 for a mechanism that leaks nothing. "
+                "Draw membership with opake_fx.auditing.coin_flip, or use epsilon_clopper_pearson / epsilon_from_gdp "
+                "(valid for a fixed design)."
+            )
 
 
 def _top_grid(m: int) -> list[tuple[int, int]]:
