@@ -272,8 +272,24 @@ def _largest_root(excess: Callable[[float], float], cap: float, start: float = 0
     while excess(hi) > 0:
         lo, hi = hi, hi * 2.0
         if hi >= cap:
-            return cap if excess(cap) > 0 else float(scipy.optimize.brentq(excess, lo, cap, xtol=1e-7))
-    return float(scipy.optimize.brentq(excess, lo, hi, xtol=1e-7))
+            if excess(cap) > 0:
+                return cap
+            hi = cap
+            break
+    return _rejected_side(excess, float(scipy.optimize.brentq(excess, lo, hi, xtol=1e-7)), lo)
+
+
+def _rejected_side(excess: Callable[[float], float], x: float, lo: float) -> float:
+    """``x`` moved down until it is itself rejected (``excess > 0``; ``lo`` is).
+
+    brentq's root is within its tolerance on either side; a lower bound must be a value the
+    test rejects, never one a hair above the largest of them.
+    """
+    step = 1e-7
+    while x > lo and excess(x) <= 0:
+        x = max(lo, x - step)
+        step *= 2.0
+    return x
 
 
 def _significance(significance: float, where: str) -> None:

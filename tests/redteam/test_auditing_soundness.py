@@ -36,3 +36,20 @@ def test_the_one_run_bound_of_an_uninformative_balanced_design_rarely_exceeds_ze
         except InputValueError:
             refused += 1
     assert exceed <= 7 and refused <= 7
+
+
+def test_a_reported_lower_bound_is_itself_rejected() -> None:
+    """brentq's root lies within its tolerance on either side; 45 of 78 bounds were a hair above
+    the largest rejected value (p-value 0.05 + 2e-8). Each returned value must be rejected."""
+    from scipy.special import ndtr, ndtri
+
+    from opake_fx.auditing import bounds
+
+    for m, k in [(1000, 100), (200, 50)]:
+        for c in range(k // 2 + 1, k + 1, max(1, k // 20)):
+            eps = bounds.epsilon_one_run(m, k, c, significance=0.05, delta=1e-5)
+            if eps > 0:
+                assert bounds.one_run_p_value(m, k, c, eps, 1e-5) <= 0.05, (m, k, c, eps)
+            mu = bounds.mu_one_run_fdp(m, k, c, significance=0.05)
+            if mu > 0:
+                assert bounds.fdp_one_run_rejects(lambda x: float(ndtr(ndtri(x) - mu)), m, k, c, 0.05) > 0, (m, k, c, mu)
