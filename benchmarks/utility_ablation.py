@@ -94,12 +94,12 @@ ROWS: dict[str, Config] = {
     "conv_tanh_large_batch_ema": replace(BASE, model="conv_tanh", batch=256, epochs=40.0, lr=0.05, ema=0.99),
 }
 DESCRIPTION = {
-    "dpsgd": "DP-SGD: relu convnet + GroupNorm, B=128, 20 epochs, lr 0.1",
+    "dpsgd": "DP-SGD: relu convnet + GroupNorm (after conv1), B=128, 20 epochs, lr 0.1",
     "tanh": "+ tanh activations (GroupNorm after both convs)",
     "tanh_no_groupnorm": "tanh convnet without GroupNorm",
     "tanh_weight_std": "tanh convnet, weight-standardised convs + GroupNorm",
     "mlp": "tanh MLP 64-64-10, B=128, 20 epochs",
-    "mlp_large_batch": "+ B=512, 80 epochs (same steps, sigma/B 0.0147 vs 0.0179)",
+    "mlp_large_batch": "+ B=512, 80 epochs (same 180 steps; sigma/B 0.0164 vs 0.0179 at eps 3)",
     "recipe": "+ EMA 0.99 of the parameters (the demo's recipe)",
     "recipe_augmult2": "recipe + augmult K=2 (random +-1 pixel shifts)",
     "recipe_last_zero": "recipe + zero-initialised last layer",
