@@ -183,6 +183,7 @@ class DPTrainer(transformers.Trainer):
         state = pipeline_for(("input_ids",)).init(params)  # the state does not depend on the batch's keys
         start_step = 0
         if resume_from_checkpoint is not None:
+            self._check_same_plan(resume_from_checkpoint, plan)
             self._load_hf_checkpoint(resume_from_checkpoint)
             _, params = make_functional(model, trainable_only=True)
             inner = getattr(sampler, "inner", sampler)
@@ -193,7 +194,6 @@ class DPTrainer(transformers.Trainer):
             if accountant is not None:
                 accountant = restored["accountant"]
             start_step = restored["meta"]["step"]
-            self._check_same_plan(resume_from_checkpoint, plan)
             fmodel.load_into_model(params)
         self.accountant = accountant
         self._dp = {"plan": plan, "seed": seed, "rank": rank, "sampler": sampler, "params": params, "state": state,
