@@ -78,6 +78,8 @@ def augment_copies(augment: Augment, x: torch.Tensor, multiplicity: int, key: Rn
     if not isinstance(key, RngKey):
         raise InputTypeError(f"augment_copies needs an RngKey (opake_fx.random.key); got {type(key).__name__}.")
     b = x.shape[0]
+    if b == 0:  # an empty Poisson batch: no copies to draw
+        return x.unsqueeze(1).expand(0, k, *x.shape[1:]).clone()
     keys = split(key_data(key), b * k).reshape(b, k, 2)
     copies = []
     for j in range(k):
@@ -259,11 +261,12 @@ def augmult(
     return Transform(init, update, inner.privacy)
 
 
-def random_shift(keys: torch.Tensor, x: torch.Tensor, max_shift: int = 1) -> torch.Tensor:
-    """Shifts each image ``[B, C, H, W]`` by its own random offset in ``[-max_shift, max_shift]^2`` (zero fill).
+def random_shift(keys: torch.Tensor, x: torch.Tensor, max_shift: int = 1, fill: float = 0.0) -> torch.Tensor:
+    """Shifts each image ``[B, C, H, W]`` by its own random offset in ``[-max_shift, max_shift]^2``.
 
-    Row ``i`` uses ``keys[i]`` only: an augmentation fit for :func:`augmult`. (Zero is
-    the fill, so standardise the images after shifting or accept a shifted background.)
+    Row ``i`` uses ``keys[i]`` only: an augmentation fit for :func:`augmult`. The pixels
+    shifted in take the value ``fill`` (the background: ``-mean / std`` for standardised
+    images whose background was 0).
 
     Example:
         >>> from opake_fx.random import key, key_data, split
@@ -283,7 +286,7 @@ def random_shift(keys: torch.Tensor, x: torch.Tensor, max_shift: int = 1) -> tor
     u = uniform(keys, (2,))  # [B, 2]
     off = torch.clamp((u * span).long(), max=span - 1)  # [B, 2] in 0..2m
     h, w = x.shape[-2:]
-    padded = torch.nn.functional.pad(x, (m, m, m, m))
+    padded = torch.nn.functional.pad(x, (m, m, m, m), value=fill)
     out = torch.empty_like(x)
     for dy in range(span):
         for dx in range(span):
