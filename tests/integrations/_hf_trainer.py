@@ -88,3 +88,18 @@ def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 COMMON = dict(report_to="none", disable_tqdm=True, save_strategy="no", use_cpu=True, dataloader_num_workers=0)
+
+
+def t5(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1,
+                                num_heads=4, relative_attention_num_buckets=8, dropout_rate=0.0,
+                                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+def copy_seq2seq_data(n: int, seed: int = 4) -> list[dict[str, torch.Tensor]]:
+    """Source ``x``, target ``x`` reversed (labels; no padding)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (n, 6), generator=g)
+    return [{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.flip(0)} for x in ids]

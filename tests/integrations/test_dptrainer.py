@@ -275,3 +275,24 @@ def test_empty_poisson_batches_are_normal_steps(tmp_path, backend):
     assert 0 in sizes and out.global_step == 8
     assert out.metrics["privacy_epsilon"] == pytest.approx(trainer.privacy_plan.epsilon(8), rel=1e-3)
     assert all(torch.isfinite(p).all() for p in hf.trainable(model).values())
+
+
+def test_a_seq2seq_t5_trains_with_per_example_losses_from_its_labels(tmp_path):
+    # T5's relative-attention bias tables are looked up without a batch axis: an exact slower path, said so
+    model = hf.t5()
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=2, learning_rate=1e-2,
+                             privacy_target_epsilon=8.0, privacy_seed=0, privacy_accountant="rdp", **hf.COMMON)
+    before = hf.trainable(model)
+    with pytest.warns(SlowPathWarning):
+        out = hf.quiet_train(DPTrainer(model=model, args=args, train_dataset=hf.copy_seq2seq_data(32)))
+    assert out.global_step == 2 and out.metrics["privacy_epsilon"] <= 8.0
+    assert any(not torch.equal(before[n], p) for n, p in hf.trainable(model).items())
+    from opake_fx.functional import make_functional
+    from opake_fx.transformers import per_example_loss_fn
+
+    batch = {k: torch.stack([ex[k] for ex in hf.copy_seq2seq_data(3)]) for k in ("input_ids", "attention_mask", "labels")}
+    fmodel, params = make_functional(model, trainable_only=True)
+    per_example = per_example_loss_fn(model)(fmodel, params, batch)
+    with torch.no_grad():
+        whole = model(**batch).loss  # HF's token mean: equal lengths, so the mean of the per-example means
+    torch.testing.assert_close(per_example.mean(), whole, atol=1e-6, rtol=1e-6)
