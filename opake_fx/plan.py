@@ -236,7 +236,8 @@ class DPPlan:
         Args:
             dataset: the whole training set (its length must be ``dataset_size``).
             key: the sampler key (NOT the noise key); each rank uses ``fold_in(key, rank)``.
-            rank, world_size: default: the current process group's (1 process: 0, 1).
+            rank, world_size: default: the current process group's (1 process: 0, 1); under a
+                process group, values other than the group's are refused.
 
         Returns:
             A ``DataLoader`` batch sampler yielding indices into ``dataset``:
@@ -248,8 +249,21 @@ class DPPlan:
         union of the ranks' batches (disjoint shards, independent keys) is the plan's
         sampler over the whole dataset, with the pattern the accountant charges.
         """
-        from opake_fx.distributed import get_rank, get_world_size, shard_bounds
+        from opake_fx.distributed import get_rank, get_world_size, is_distributed, shard_bounds
         from opake_fx.dpsgd.sampling import PoissonSampler, TruncatedPoissonSampler
+
+        if is_distributed() and (rank, world_size) != (None, None) and (
+            (rank if rank is not None else get_rank(), world_size if world_size is not None else get_world_size())
+            != (get_rank(), get_world_size())
+        ):
+            # Under a process group the shards must be the group's: ranks told world_size=1 would each
+            # draw from the whole dataset with the same key, so every example would enter the psum once
+            # per rank (sensitivity world_size * C, noise scaled to C).
+            raise InputValueError(
+                f"DPPlan.sampler: rank={rank}, world_size={world_size} differ from the process group's rank "
+                f"{get_rank()} of {get_world_size()}. The ranks' shards must be disjoint and cover the dataset once; "
+                "leave rank and world_size out under a process group."
+            )
 
         if len(dataset) != self.dataset_size:
             raise InputValueError(

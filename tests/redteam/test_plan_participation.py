@@ -56,3 +56,19 @@ def test_b_min_sep_resume_keeps_min_sep_and_participation_count() -> None:
     for ts in seen.values():
         assert len(ts) <= p.max_participations
         assert all(b - a >= p.min_sep for a, b in zip(ts, ts[1:]))
+
+
+def test_a_sampler_sharded_unlike_the_process_group_is_refused(tmp_path) -> None:
+    """Ranks told world_size=1 under a group of 2 would all draw the whole dataset with one key: each
+    example would enter the psum once per rank. Shown in a one-process gloo group (world_size=2 asked)."""
+    import torch.distributed as dist
+
+    plan = _plan("b_min_sep", "blt")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        plan.sampler(range(400), key(1))  # the group's own sharding
+        plan.sampler(range(400), key(1), rank=0, world_size=1)
+        with pytest.raises(InputValueError, match="differ from the process group"):
+            plan.sampler(range(400), key(1), rank=0, world_size=2)
+    finally:
+        dist.destroy_process_group()
