@@ -21,8 +21,9 @@ rows.
 Privacy contract: the augmentation must act on each example alone — row ``i`` of
 ``augment(keys, x)`` may depend only on ``x[i]`` and ``keys[i]`` (a shift, a crop, a flip;
 never mixup or batch statistics). :func:`augmult` checks this on the first batch it sees
-(the output of a permuted batch must be the permuted output) and refuses an augmentation
-that mixes rows. The keys come from the stage's own key, never from the data.
+(:func:`check_per_example`: an example augmented alone must come out as in the batch, and
+the reversed batch must give the reversed output) and refuses an augmentation that mixes
+rows. The keys come from the stage's own key, never from the data.
 """
 
 from __future__ import annotations
@@ -96,17 +97,20 @@ def augment_copies(augment: Augment, x: torch.Tensor, multiplicity: int, key: Rn
 def check_per_example(augment: Augment, x: torch.Tensor, key: RngKey) -> None:
     """Refuses an augmentation whose output rows depend on other rows (mixup, batch statistics).
 
-    Runs ``augment`` on the batch and on the batch reversed (keys reversed too) and
-    requires the reversed output: a row-wise augmentation passes exactly; one that mixes
-    examples would make one example's clipped gradient depend on another, which breaks
-    the sensitivity bound.
+    Two checks on this batch: the first and the last example augmented *alone* (with
+    their keys) must come out exactly as they do in the batch (this catches batch
+    statistics such as a batch mean, which a permutation leaves unchanged); and the batch
+    reversed, keys reversed too, must give the output reversed (this catches an
+    augmentation that pairs rows by position, such as mixing each row with the next). A
+    row-wise augmentation passes both exactly. A check on one batch is evidence, not
+    proof: keep the contract by construction.
 
     Raises:
         InputValueError: the augmentation is not row-wise on this batch.
 
     Example:
         >>> from opake_fx.random import key
-        >>> x = torch.randn(4, 3)
+        >>> x = torch.arange(12.0).reshape(4, 3)
         >>> check_per_example(lambda keys, x: x * 2, x, key(0))       # row-wise: passes
         >>> check_per_example(lambda keys, x: x - x.mean(0), x, key(0))
         Traceback (most recent call last):
@@ -119,13 +123,14 @@ def check_per_example(augment: Augment, x: torch.Tensor, key: RngKey) -> None:
     keys = split(key_data(key), b)
     flip = torch.arange(b - 1, -1, -1)
     direct = augment(keys, x)
-    reversed_ = augment(keys[flip], x[flip])
-    if not torch.equal(direct[flip], reversed_):
+    alone_ok = all(torch.equal(augment(keys[i:i + 1], x[i:i + 1])[0], direct[i]) for i in (0, b - 1))
+    if not alone_ok or not torch.equal(direct[flip], augment(keys[flip], x[flip])):
         raise InputValueError(
-            "augment(keys, x) mixes examples (...): reversing the batch and its keys did not reverse the output, so "
-            "row i depends on other rows (mixup, batch statistics, a key shared across rows). Per-example "
-            "clipping bounds one example's contribution only if its augmented copies depend on it alone; use a "
-            "row-wise augmentation that draws its randomness from keys[i]."
+            "augment(keys, x) mixes examples (...): an example augmented alone differs from the same example "
+            "augmented in the batch, or reversing the batch and its keys did not reverse the output, so row i "
+            "depends on other rows (mixup, batch statistics, a key shared across rows). Per-example clipping bounds "
+            "one example's contribution only if its augmented copies depend on it alone; use a row-wise "
+            "augmentation that draws its randomness from keys[i]."
         )
 
 

@@ -113,6 +113,8 @@ def test_a_mixing_augmentation_is_refused():
     x = torch.randn(4, 1, 3, 3)
     with pytest.raises(InputValueError, match="mixes examples"):
         check_per_example(lambda keys, x: x - x.mean(0, keepdim=True), x, key(0))
+    with pytest.raises(InputValueError, match="mixes examples"):  # pairs rows by position
+        check_per_example(lambda keys, x: x + 0.5 * x.roll(1, 0) if x.shape[0] > 1 else x + 0.5 * x, x, key(0))
     stage = augmult(lambda p, xi, yi: (p * xi.sum()).sum() * 0 + (p ** 2).sum(), augment=lambda keys, x: x.roll(1, 0),
                     multiplicity=2, key=key(0), clipping_norm=1.0, batch_argnums=(1, 2))
     p = torch.zeros(2)
