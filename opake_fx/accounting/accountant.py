@@ -336,7 +336,8 @@ class Accountant:
         spent process, and a state that would report less epsilon (beyond 1e-4 relative
         rounding), a lower RDP curve, or a counted-down headroom that no longer fits the
         budget is refused. That comparison costs one composition of the spent process (as
-        loading a version-1 state does).
+        loading a version-1 state does; closed form when every step is a Gaussian mechanism,
+        as a DP-FTRL plan's are).
         """
         version = state.get("version")
         expected = {1: {"version", "budget", "spent"}, 2: {"version", "budget", "spent", "running"}}
@@ -429,7 +430,7 @@ class Accountant:
                 )
         if self._pld is not None:
             running = self._pld if self._run is None else self._pld.then(_repeat(*self._run))
-            oneshot = self.spent.pld(self._budget.discretization)
+            oneshot = self.spent._profile(self._budget.discretization)  # closed form for Gaussian compositions
             top = oneshot.epsilon_at(_CHECK_DELTA_FLOOR)
             grid = np.linspace(0.0, 1.25 * top if math.isfinite(top) else 100.0, _CHECK_POINTS).tolist()
             if self._budget.metric == "epsilon":
