@@ -50,3 +50,23 @@ def test_a_forged_headroom_cannot_skip_the_budget_check() -> None:
         for _ in range(10**4):
             resumed.step(STEP)
     assert resumed.spent_epsilon(1e-5) <= 1.0
+
+
+def test_a_dp_ftrl_plan_state_with_an_earlier_running_composition_is_refused() -> None:
+    from opake_fx.plan import DPPlan
+
+    plan = DPPlan(dataset_size=400, batch_size=20, steps=40, noise_multiplier=1.0, mechanism="bsr", bands=3,
+                  sampling="b_min_sep", min_sep=10, delta=1e-5)
+    acct = plan.accountant()
+    states = []
+    for t in range(20):
+        acct.step(plan.step_cost_at(t))
+        states.append(acct.state_dict(running=True))
+    late, early = states[-1]["running"], states[1]["running"]
+    with pytest.raises(InputValueError, match="RDP curve is below"):
+        acc.Accountant.from_state_dict({**states[-1], "running": early})
+    # the RDP side kept honest, only the PLD spliced: the PLD comparison catches it
+    forged = {**states[-1], "running": {**early, "rdp_sum": late["rdp_sum"], "rdp_todo": late["rdp_todo"]}}
+    with pytest.raises(InputValueError, match="does not belong to this spent process"):
+        acc.Accountant.from_state_dict(forged)
+    assert acc.Accountant.from_state_dict(states[-1]).spent_epsilon(1e-5) == acct.spent_epsilon(1e-5)
