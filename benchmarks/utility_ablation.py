@@ -27,7 +27,7 @@ from torch import nn
 
 import opake_fx.accounting as acc
 import opake_fx.dpsgd.accounting as dpsgd_acc
-from opake_fx.augmult import augmult, random_shift
+from opake_fx.augmult import augmult, gaussian_noise, random_shift
 from opake_fx.averaging import ema
 from opake_fx.dpsgd import clip, noise
 from opake_fx.dpsgd.sampling import PoissonSampler
@@ -51,6 +51,7 @@ class Config:
     ema: float = 0.0
     augmult: int = 0
     last_zero: bool = False
+    augment: str = "shift"  # shift (random +-1 pixel) | noise (Gaussian, std 0.3)
 
 
 class ConvNet(nn.Module):
@@ -90,6 +91,8 @@ ROWS: dict[str, Config] = {
     "mlp_large_batch": replace(BASE, model="mlp", batch=512, epochs=80.0),
     "recipe": replace(BASE, model="mlp", batch=512, epochs=80.0, ema=0.99),  # examples/demo.py's recipe
     "recipe_augmult2": replace(BASE, model="mlp", batch=512, epochs=80.0, ema=0.99, augmult=2),
+    "recipe_augmult4_noise": replace(BASE, model="mlp", batch=512, epochs=80.0, ema=0.99, augmult=4, augment="noise"),
+    "recipe_augmult1_noise": replace(BASE, model="mlp", batch=512, epochs=80.0, ema=0.99, augmult=1, augment="noise"),
     "recipe_last_zero": replace(BASE, model="mlp", batch=512, epochs=80.0, ema=0.99, last_zero=True),
     "conv_tanh_large_batch_ema": replace(BASE, model="conv_tanh", batch=256, epochs=40.0, lr=0.05, ema=0.99),
 }
@@ -102,6 +105,8 @@ DESCRIPTION = {
     "mlp_large_batch": "+ B=512, 80 epochs (same 180 steps; sigma/B 0.0164 vs 0.0179 at eps 3)",
     "recipe": "+ EMA 0.99 of the parameters (the demo's recipe)",
     "recipe_augmult2": "recipe + augmult K=2 (random +-1 pixel shifts)",
+    "recipe_augmult4_noise": "recipe + augmult K=4 (Gaussian input noise, std 0.3)",
+    "recipe_augmult1_noise": "recipe + the same noise, one copy (K=1)",
     "recipe_last_zero": "recipe + zero-initialised last layer",
     "conv_tanh_large_batch_ema": "tanh convnet + GroupNorm, B=256, 40 epochs, lr 0.05, EMA",
 }
@@ -145,7 +150,11 @@ def run(cfg: Config, epsilon: float | None, seed: int, data=None) -> tuple[float
     common = dict(clipping_norm=cfg.clip, batch_argnums=(1, 2), normalize_by=cfg.batch, clip_backend="auto",
                   model=fmodel)
     if cfg.augmult:
-        stage = augmult(loss_fn, augment=lambda keys, x: random_shift(keys, x, 1, fill=background),
+        if cfg.augment == "noise":
+            augment = lambda keys, x: gaussian_noise(keys, x, 0.3)  # noqa: E731
+        else:
+            augment = lambda keys, x: random_shift(keys, x, 1, fill=background)  # noqa: E731
+        stage = augmult(loss_fn, augment=augment,
                         multiplicity=cfg.augmult, key=key(seed + 7), **common)
     else:
         stage = clip(loss_fn, **common)

@@ -185,7 +185,7 @@ def train_recipe(args: argparse.Namespace, train: TensorDataset, test: TensorDat
     loader = DataLoader(train, batch_sampler=plan.sampler(train, key(args.seed + 1)), collate_fn=collate)
     averaged = params
     t0 = time.perf_counter()
-    for step, (xb, yb) in enumerate(progress(loader, plan.steps, "recipe")):
+    for xb, yb in progress(loader, plan.steps, "recipe"):
         accountant.step(plan.step_cost)  # refuses (before the update) a step beyond the budget
         updates, state = pipeline.update((xb, yb), state, params)
         params = apply_updates(params, updates)

@@ -34,10 +34,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from opake_fx.errors import InputTypeError, InputValueError
-from opake_fx.random import RngKey, fold_in, key_data, split, uniform
+from opake_fx.random import RngKey, fold_in, key_data, normal, split, uniform
 from opake_fx.transforms import Transform
 
-__all__ = ["AugmultState", "augment_copies", "augmult", "augmult_loss", "check_per_example", "random_shift"]
+__all__ = ["AugmultState", "augment_copies", "augmult", "augmult_loss", "check_per_example", "gaussian_noise", "random_shift"]
 
 Augment = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -299,3 +299,23 @@ def random_shift(keys: torch.Tensor, x: torch.Tensor, max_shift: int = 1, fill: 
             if rows.numel():
                 out[rows] = padded[rows, :, dy:dy + h, dx:dx + w]
     return out
+
+
+def gaussian_noise(keys: torch.Tensor, x: torch.Tensor, std: float = 0.3) -> torch.Tensor:
+    """Adds ``N(0, std^2)`` noise to each input, row ``i`` drawn from ``keys[i]`` alone.
+
+    On scikit-learn's digits (whose 8x8 images fill their frame, so pixel shifts lose
+    strokes) this is the augmentation with which augmult helped: docs/utility.md.
+
+    Example:
+        >>> from opake_fx.random import key, key_data, split
+        >>> x = torch.zeros(3, 1, 2, 2)
+        >>> check_per_example(gaussian_noise, x, key(0))
+        >>> gaussian_noise(split(key_data(key(0)), 3), x).shape
+        torch.Size([3, 1, 2, 2])
+    """
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or not std >= 0:
+        raise InputValueError(f"gaussian_noise needs std >= 0; got {std!r}.")
+    if x.shape[0] == 0:
+        return x.clone()
+    return x + float(std) * normal(keys, tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
