@@ -230,8 +230,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     # One thread: these models are tiny, so intra-op threads gain little, and on a busy machine two
     # threads per process thrash (the demo measured 25 s with one thread, 232 s with two, under load 5-8).
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        _run(args)
+    finally:
+        torch.set_num_threads(threads)  # the caller's setting (the test imports main)
 
+
+def _run(args: argparse.Namespace) -> None:
+    """The three runs and the side-by-side table."""
     train, test = load_digits_tensors(args.seed)
     print(f"digits: {len(train)} train / {len(test)} test images (8x8, 10 classes)")
     t0 = time.perf_counter()
