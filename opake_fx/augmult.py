@@ -29,13 +29,15 @@ rows. The keys come from the stage's own key, never from the data.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.random import RngKey, fold_in, key_data, normal, split, uniform
 from opake_fx.transforms import Transform
+from opake_fx.typing import typechecked
 
 __all__ = ["AugmultState", "augment_copies", "augmult", "augmult_loss", "check_per_example", "gaussian_noise", "random_shift"]
 
@@ -51,6 +53,7 @@ def _check_multiplicity(multiplicity: Any) -> int:
     return multiplicity
 
 
+@typechecked
 def augment_copies(augment: Augment, x: torch.Tensor, multiplicity: int, key: RngKey) -> torch.Tensor:
     """``multiplicity`` augmented copies of every example: ``[B, ...] -> [B, K, ...]``.
 
@@ -186,6 +189,7 @@ class AugmultState:
     step: int = 0
 
 
+@typechecked
 def augmult(
     loss_fn: Callable[..., Any],
     *,

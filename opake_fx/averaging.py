@@ -32,6 +32,7 @@ from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.pytree import tree_map
 from opake_fx.transforms import Transform
+from opake_fx.typing import typechecked
 
 __all__ = ["AverageState", "ema", "ema_decay_at", "polyak"]
 
@@ -74,6 +75,7 @@ def _copy(tree: Any) -> Any:
     return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tree)
 
 
+@typechecked
 def ema(decay: float, *, warmup: bool = True, start: int = 0) -> Transform:
     """An exponential moving average of the parameters.
 
@@ -121,6 +123,7 @@ def ema(decay: float, *, warmup: bool = True, start: int = 0) -> Transform:
     return Transform(init, update, StagePrivacy("optimizer", f"EMA of the parameters (decay {d0:g})"))
 
 
+@typechecked
 def polyak(*, start: int = 0) -> Transform:
     """The uniform (Polyak-Ruppert) average of the parameters from update ``start`` on.
 

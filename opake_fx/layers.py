@@ -25,6 +25,7 @@ from torch import nn
 
 from opake_fx.dpsgd.clipping.rules import register_rule
 from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.typing import typechecked
 
 __all__ = ["WeightStandardizedConv2d", "scale_last_layer_"]
 
@@ -100,6 +101,7 @@ def _ws_rule(module: WeightStandardizedConv2d, a: torch.Tensor, g: torch.Tensor)
 register_rule(WeightStandardizedConv2d, _ws_rule)
 
 
+@typechecked
 def scale_last_layer_(model: nn.Module, scale: float = 0.0) -> nn.Linear:
     """Multiplies the weight of ``model``'s last ``nn.Linear`` (in module order) by ``scale``
     and zeroes its bias, in place; returns that layer.

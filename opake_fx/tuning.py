@@ -33,9 +33,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.typing import typechecked
 
 __all__ = ["BatchChoice", "Suggestion", "SweepResult", "batch_choices", "suggest", "sweep"]
 
@@ -74,6 +76,7 @@ class Suggestion:
     candidates: tuple[BatchChoice, ...]
 
 
+@typechecked
 def batch_choices(dataset_size: int, *, target_epsilon: float, delta: float, batch_sizes: Sequence[int],
                   epochs: float | None = None, steps: int | None = None) -> list[BatchChoice]:
     """Calibrates sigma for each batch size at a fixed budget of ``epochs`` or of ``steps``.
@@ -111,6 +114,7 @@ def _choice(dataset_size: int, b: int, target_epsilon: float, delta: float, epoc
     return BatchChoice(b, plan.steps, plan.epochs, z, z / b, z / math.sqrt(b))
 
 
+@typechecked
 def suggest(dataset_size: int, *, target_epsilon: float, delta: float, epochs: float | None = None,
             steps: int | None = None, base_batch_size: int | None = None, base_learning_rate: float | None = None,
             batch_sizes: Sequence[int] | None = None, min_steps: int = 100) -> Suggestion:

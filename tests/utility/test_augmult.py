@@ -16,7 +16,7 @@ from torch import nn
 from torch.func import functional_call, grad
 
 from opake_fx.augmult import augment_copies, augmult, augmult_loss, check_per_example, random_shift
-from opake_fx.errors import InputValueError, SlowPathWarning
+from opake_fx.errors import InputTypeError, InputValueError, SlowPathWarning
 from opake_fx.functional import make_functional
 from opake_fx.pytree import leaves
 from opake_fx.random import fold_in, key
@@ -125,6 +125,8 @@ def test_a_mixing_augmentation_is_refused():
 def test_bad_multiplicity_is_refused():
     with pytest.raises(InputValueError, match="multiplicity"):
         augmult(lambda p, x: x, augment=random_shift, multiplicity=0, key=key(0), clipping_norm=1.0)
+    with pytest.raises(InputTypeError, match="multiplicity"):
+        augmult(lambda p, x: x, augment=random_shift, multiplicity=2.5, key=key(0), clipping_norm=1.0)
 
 
 def test_random_shift_is_row_wise_and_keyed():

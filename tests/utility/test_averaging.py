@@ -90,3 +90,10 @@ def test_bad_arguments_are_refused():
         polyak(start=-1)
     with pytest.raises(InputTypeError, match="AverageState"):
         ema(0.9).update([torch.zeros(1)], None)
+
+
+def test_wrong_types_are_input_type_errors():
+    with pytest.raises(InputTypeError, match="decay"):
+        ema("0.9")
+    with pytest.raises(InputTypeError, match="start"):
+        polyak(start=1.5)
