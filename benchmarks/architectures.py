@@ -154,17 +154,11 @@ def setup_step(workload: str, variant: str, threads: int = 2) -> Callable[[], No
     torch.set_num_threads(threads)
     warnings.filterwarnings("ignore")
     model, losses, x, y, trains = build(workload)
-    fmodel, params = make_functional(model)
-    chosen = [i for i, name in enumerate(fmodel.param_names) if trains(name)]
-    frozen = list(params)
-
-    def full(train: Any) -> tuple[torch.Tensor, ...]:
-        out = list(frozen)
-        for i, t in zip(chosen, train):
-            out[i] = t
-        return tuple(out)
-
-    train = [params[i] for i in chosen]
+    for name, p in model.named_parameters():
+        p.requires_grad_(trains(name))
+    # Only the trained parameters are in ``train``; the frozen ones are constants of ``fmodel``.
+    fmodel, params = make_functional(model, trainable_only=True)
+    train = list(params)
     if variant in ("non-private", "floor"):
         leaves = [t.clone().requires_grad_(True) for t in train]
         opt = torch.optim.SGD(leaves, lr=LR)
@@ -173,7 +167,7 @@ def setup_step(workload: str, variant: str, threads: int = 2) -> Callable[[], No
 
         def step() -> None:
             opt.zero_grad(set_to_none=True)
-            losses(fmodel, full(leaves), x, y).mean().backward()
+            losses(fmodel, tuple(leaves), x, y).mean().backward()
             opt.step()
             if variant == "floor":  # the noise any DP step must draw, in line, by our generator
                 flat_tree_normal(fold_in(key(0), floor_step[0]), like)
@@ -181,11 +175,11 @@ def setup_step(workload: str, variant: str, threads: int = 2) -> Callable[[], No
 
         return step
     if variant == "opake-auto":
-        batched = lambda tr, xb, yb: losses(fmodel, full(tr), xb, yb)  # noqa: E731
+        batched = lambda tr, xb, yb: losses(fmodel, tr, xb, yb)  # noqa: E731
         grad_fn, cstate = clipped_grad(batched, clipping_norm=1.0, batch_argnums=(1, 2), normalize_by=B,
                                        clip_backend="auto", model=fmodel)
     elif variant == "opake-vmap":
-        single = lambda tr, xi, yi: losses(fmodel, full(tr), xi[None], yi[None])[0]  # noqa: E731
+        single = lambda tr, xi, yi: losses(fmodel, tr, xi[None], yi[None])[0]  # noqa: E731
         grad_fn, cstate = clipped_grad(single, clipping_norm=1.0, batch_argnums=(1, 2), normalize_by=B)
     else:
         raise ValueError(f"unknown variant {variant!r}")

@@ -60,18 +60,16 @@ def classifier_losses(fmodel: Any, p: Any, ids: torch.Tensor, labels: torch.Tens
 def check(model: nn.Module, x: torch.Tensor, y: torch.Tensor, losses: Callable[..., torch.Tensor],
           trainable: Callable[[str], bool] = lambda name: True, rtol: float = 1e-9) -> int:
     """Both fast backends against per-example autograd, differentiating the ``trainable`` parameters
-    (the others are closed over, as a fine-tuning loss does). Returns how many were trained."""
+    (the others are constants of ``fmodel``, as in fine-tuning). Returns how many were trained."""
     model = model.double().eval()
-    fmodel, params = make_functional(model)
-    chosen = [i for i, name in enumerate(fmodel.param_names) if trainable(name)]
+    for name, p in model.named_parameters():
+        p.requires_grad_(trainable(name))
+    fmodel, train = make_functional(model, trainable_only=True)
+    assert all(trainable(name) for name in fmodel.param_names)
 
-    def batched(train: Any, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        full = list(params)
-        for i, t in zip(chosen, train):
-            full[i] = t
-        return losses(fmodel, tuple(full), xb, yb)
+    def batched(params: Any, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return losses(fmodel, params, xb, yb)
 
-    train = tuple(params[i] for i in chosen)
     c = float(reference(batched, train, x, y, math.inf)[1].median())  # about half the examples clipped
     want, norms, _ = reference(batched, train, x, y, c)
     # Relative to the largest entry of the whole gradient: some leaves are exactly zero in
@@ -79,12 +77,12 @@ def check(model: nn.Module, x: torch.Tensor, y: torch.Tensor, losses: Callable[.
     scale = max(float(r.abs().max()) for r in want)
     for backend in ("ghost", "auto"):
         out, aux = run_backend(backend, batched, fmodel, train, x, y, c)
-        for i, got, ref in zip(chosen, out.pytree, want):
+        for name, got, ref in zip(fmodel.param_names, out.pytree, want):
             assert got.shape == ref.shape
             err = float((got - ref).abs().max())
-            assert err <= rtol * scale, (backend, fmodel.param_names[i], err, scale)
+            assert err <= rtol * scale, (backend, name, err, scale)
         torch.testing.assert_close(aux.grad_norms, norms, rtol=rtol, atol=1e-12)
-    return len(chosen)
+    return len(train)
 
 
 @pytest.fixture
