@@ -20,7 +20,8 @@ sampler                     guarantee                                   accounti
 All are ``DataLoader`` batch samplers drawn from an explicit
 :class:`~opake_fx.random.RngKey` (never the global RNG): step ``t`` uses
 ``fold_in(key, t)`` and the group / bin / permutation uses a reserved stream of the
-key, so a run is reproducible and resumable from ``state_dict``. Iteration is a
+key, so a run is reproducible and resumable from ``state_dict`` (a state saved with another
+key is refused: the participation guarantee holds for one key over the run). Iteration is a
 cursor over the run: after ``n_steps`` batches ``iter()`` raises instead of starting
 over. The cursor, the key, the saved state and the Poisson draw are those of the shared
 sampler base :mod:`opake_fx.sampling_base`, as for :class:`opake_fx.dpsgd.sampling.PoissonSampler`.
