@@ -315,6 +315,7 @@ class DPPlan:
         batch_argnums: Sequence[int] = (1, 2),
         augment: Callable[..., Any] | None = None,
         augment_key: RngKey | None = None,
+        microbatch_size: int | None = None,
     ) -> Any:
         """``named_chain(clip, psum, noise, opt)`` with the plan's clip norm, normalisation and noise.
 
@@ -333,6 +334,10 @@ class DPPlan:
             augment: with ``augmult > 1``: ``augment(keys [B, 2], x [B, ...]) -> [B, ...]``,
                 acting on each example alone (e.g. :func:`opake_fx.augmult.random_shift`).
             augment_key: with ``augmult > 1``: the augmentation key.
+            microbatch_size: memory only: the clip stage computes the per-example
+                gradients this many examples at a time (``None``: the whole batch at
+                once). The same examples are clipped to the same norm and summed, so the
+                result and the privacy are those without it (up to float summation order).
 
         Privacy: clip to ``clipping_norm``, divide by ``batch_size``, sum over ranks, add
         ``noise_multiplier * clipping_norm / batch_size`` Gaussian noise (DP-FTRL: the
@@ -353,6 +358,8 @@ class DPPlan:
             noise_stage = noise(noise_multiplier=self.noise_multiplier, key=key)
         clip_args = dict(clipping_norm=self.clipping_norm, normalize_by=self.batch_size,
                          batch_argnums=tuple(batch_argnums), clip_backend=self.clip_backend, model=model)
+        if microbatch_size is not None:
+            clip_args["microbatch_size"] = microbatch_size  # validated by clipped_grad
         if self.augmult > 1:
             from opake_fx.augmult import augmult
 

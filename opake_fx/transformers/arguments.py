@@ -80,7 +80,10 @@ class TrainingArguments(transformers.TrainingArguments):
             seed lets anyone recompute the noise and the batches: set it only for tests.
         per_example_loss_reduction: ``"mean"`` (default; each example's loss is the mean
             over its own non-padding tokens) or ``"sum"``.
-        microbatch_size: memory only (privacy-neutral); not supported yet (refused).
+        microbatch_size: memory only (privacy-neutral): the clipped per-example gradients
+            of a batch are computed this many examples at a time and summed (``None``:
+            the whole batch at once). The batch, the clipping, the noise and the
+            accounting are the same with or without it.
 
     Raises:
         InputValueError / InputTypeError: a missing, contradictory or unsupported DP
@@ -113,7 +116,7 @@ class TrainingArguments(transformers.TrainingArguments):
     privacy_accountant: str = field(default="pld", metadata={"help": "pld or rdp."})
     privacy_seed: int | None = field(default=None, metadata={"help": "Seed of noise and sampling (None: OS CSPRNG)."})
     per_example_loss_reduction: str = field(default="mean", metadata={"help": "mean or sum over each example's tokens."})
-    microbatch_size: int | None = field(default=None, metadata={"help": "Memory only; not supported yet."})
+    microbatch_size: int | None = field(default=None, metadata={"help": "Memory only: examples per clipping chunk."})
 
     def __post_init__(self) -> None:
         self._check_privacy_fields()
@@ -221,10 +224,11 @@ class TrainingArguments(transformers.TrainingArguments):
         _choice(self.per_example_loss_reduction, "per_example_loss_reduction", ("mean", "sum"))
         if self.privacy_seed is not None and (isinstance(self.privacy_seed, bool) or not isinstance(self.privacy_seed, int)):
             raise InputTypeError(f"TrainingArguments: privacy_seed must be an int or None; got {self.privacy_seed!r}.")
-        if self.microbatch_size is not None:
+        mb = self.microbatch_size
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
             raise InputValueError(
-                "TrainingArguments: microbatch_size is not supported by DPTrainer yet (DPPlan.pipeline takes no "
-                "micro-batch size); leave it None and lower per_device_train_batch_size if memory is short."
+                f"TrainingArguments: microbatch_size must be a positive int (examples per chunk of the clipped "
+                f"gradient) or None (the whole batch at once); got {mb!r}."
             )
 
     def _check_training_fields(self) -> None:

@@ -170,7 +170,8 @@ class DPTrainer(transformers.Trainer):
         def pipeline_for(keys: tuple[str, ...]) -> Any:
             if keys not in pipelines:
                 pipelines[keys] = plan.pipeline(_loss_over(losses, fmodel, keys, plan.clip_backend), optimizer,
-                                                key=noise_key, model=fmodel, batch_argnums=tuple(range(1, len(keys) + 1)))
+                                                key=noise_key, model=fmodel, batch_argnums=tuple(range(1, len(keys) + 1)),
+                                                microbatch_size=args.microbatch_size)
             return pipelines[keys]
 
         non_private = plan.noise_multiplier == 0
