@@ -113,7 +113,9 @@ def gdp_epsilon(mu: float, delta: float) -> float:
     hi = 1.0
     while gdp_delta(mu, hi) > delta:
         hi *= 2.0
-    return float(scipy.optimize.brentq(lambda e: gdp_delta(mu, e) - delta, 0.0, hi, xtol=1e-10, rtol=1e-12))
+    root = float(scipy.optimize.brentq(lambda e: gdp_delta(mu, e) - delta, 0.0, hi, xtol=1e-10, rtol=1e-12))
+    # The auditors report this as a lower bound: keep the side where delta(eps) >= delta (eps <= the exact one).
+    return _rejected_side(lambda e: 1.0 if gdp_delta(mu, e) >= delta else -1.0, root, 0.0)
 
 
 def gdp_mu(epsilon: float, delta: float) -> float:
@@ -285,7 +287,7 @@ def _rejected_side(excess: Callable[[float], float], x: float, lo: float) -> flo
     brentq's root is within its tolerance on either side; a lower bound must be a value the
     test rejects, never one a hair above the largest of them.
     """
-    step = 1e-7
+    step = max(1e-15, 1e-13 * abs(x))  # doubled each time: a few dozen evaluations at most
     while x > lo and excess(x) <= 0:
         x = max(lo, x - step)
         step *= 2.0

@@ -53,3 +53,13 @@ def test_a_reported_lower_bound_is_itself_rejected() -> None:
             mu = bounds.mu_one_run_fdp(m, k, c, significance=0.05)
             if mu > 0:
                 assert bounds.fdp_one_run_rejects(lambda x: float(ndtr(ndtri(x) - mu)), m, k, c, 0.05) > 0, (m, k, c, mu)
+
+
+def test_the_gdp_epsilon_of_a_lower_bound_is_not_above_the_exact_one() -> None:
+    """gdp_epsilon converts a mu lower bound into the reported epsilon: delta(eps) >= delta must hold there."""
+    from opake_fx.auditing import bounds
+
+    for mu in np.linspace(0.3, 6.0, 40):
+        for delta in (1e-3, 1e-5, 1e-8):
+            eps = bounds.gdp_epsilon(float(mu), delta)
+            assert eps == 0.0 or bounds.gdp_delta(float(mu), eps) >= delta, (mu, delta, eps)
