@@ -60,9 +60,12 @@ class TrainingArguments(transformers.TrainingArguments):
         privacy_noise_multiplier: sigma, given instead of a target. ``0`` is the explicit
             non-private baseline: epsilon = inf, reported as such.
         clipping_norm: the per-example L2 clip norm C (``math.inf``: no clipping, only
-            with ``privacy_noise_multiplier=0``).
-        clipping_mode: ``"fixed"`` (the only one the plan supports today; ``"adaptive"``
-            and ``"auto"`` are refused with a pointer to the stage-by-stage API).
+            with ``privacy_noise_multiplier=0``). A dict (per-group norms) is refused:
+            ``DPPlan`` carries one clip norm.
+        clipping_mode: ``"fixed"`` (the only one the plan supports today). ``"auto"``
+            (AUTO-S) is refused because ``DPPlan.pipeline`` builds the fixed clip stage
+            only; ``"adaptive"`` because its noised clipped-count release is not charged by
+            the plan's accountant. Both point to the stage-by-stage API.
         clipping_kwargs: reserved for the adaptive/auto modes; must be empty with ``"fixed"``.
         clip_backend: ``"auto"`` (default: exact fast clipping from layer activations where
             rules exist, an exact fallback elsewhere), ``"vmap"`` or ``"ghost"``.
@@ -178,8 +181,9 @@ class TrainingArguments(transformers.TrainingArguments):
         if isinstance(c, dict):
             raise InputValueError(
                 "TrainingArguments: per-group clipping (clipping_norm as a dict of name regex -> norm) is not available "
-                "in DPTrainer yet: DPPlan takes one clip norm. Give a float, or use opake_fx.dpsgd.clipping.per_group "
-                "with the stage-by-stage API."
+                "in DPTrainer yet: DPPlan's clipping_norm is one number and its pipeline builds one clip stage from it, "
+                "so the groups cannot reach the clipping. Give one float, or use opake_fx.dpsgd.clipping.per_group "
+                "with the stage-by-stage API (clip(..., clipping_norm=per_group(...)) and the Gaussian noise stage)."
             )
         if not (_is_real(c) and c > 0):
             raise InputValueError(f"TrainingArguments: clipping_norm must be > 0 (or math.inf); got {c!r}.")
@@ -190,11 +194,19 @@ class TrainingArguments(transformers.TrainingArguments):
                 "allowed with privacy_noise_multiplier=0 (the non-private baseline)."
             )
         _choice(self.clipping_mode, "clipping_mode", CLIPPING_MODES)
-        if self.clipping_mode != "fixed":
+        if self.clipping_mode == "auto":
             raise InputValueError(
-                f"TrainingArguments: clipping_mode={self.clipping_mode!r} is not available in DPTrainer yet (DPPlan "
-                "builds fixed clipping only). Use clipping_mode='fixed', or the stage-by-stage API "
-                "(opake_fx.dpsgd.clipping.adaptive_clipped_grad / auto_clipped_grad)."
+                "TrainingArguments: clipping_mode='auto' (AUTO-S) is not available in DPTrainer yet: DPPlan.pipeline "
+                "builds the fixed clip stage only. Use clipping_mode='fixed', or the stage-by-stage API "
+                "(opake_fx.dpsgd.clipping.auto_clip, same sensitivity and accounting as fixed clipping)."
+            )
+        if self.clipping_mode == "adaptive":
+            raise InputValueError(
+                "TrainingArguments: clipping_mode='adaptive' is not available in DPTrainer: besides the gradient, "
+                "adaptive clipping releases a noised count of clipped examples at every step, which the plan's "
+                "accountant does not charge. Use clipping_mode='fixed', or the stage-by-stage API "
+                "(opake_fx.dpsgd.clipping.adaptive_clip, accounted with "
+                "opake_fx.dpsgd.accounting.adaptive_clipping_gaussian)."
             )
         if self.clipping_kwargs:
             raise InputValueError(
