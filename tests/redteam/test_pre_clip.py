@@ -7,9 +7,9 @@ float32's range becomes ``inf`` in the cast while its weight ``C / norm`` underf
 ``0 * inf = NaN`` in the released sum. With the example the release is NaN, without it it is
 finite: one attacker example is distinguishable with probability 1, whatever the noise.
 
-Owner: opake_fx/dpsgd/clipping/_engine.py (clipped_step: ``g_out = g_leaf.to(out_dtypes[i])``
-before ``w * g_out``; the same in the second-moment square). A fix: form ``w * g`` in the
-gradient's own (wider) dtype and cast the product, whose norm is <= C, to the output dtype.
+Fixed in ``opake_fx/dpsgd/clipping/_engine.py`` (``clipped_step``): ``w * g`` is formed in the
+wider of the gradient's and the output's dtype, and only the weighted sum (norm <= C per
+example) is cast to the output dtype; the same for the second-moment square.
 """
 
 from __future__ import annotations
@@ -19,16 +19,10 @@ import torch
 
 from opake_fx.dpsgd import clipped_grad
 
-REASON = ("_engine.clipped_step casts a per-example gradient to the output dtype before weighting it: a float64 "
-          "gradient beyond float32's range becomes inf, its weight underflows to 0, and the release is NaN "
-          "(owner: _engine.py, active engineer)")
-
-
 def _loss(p, x):
     return (p["w"] * x).sum()
 
 
-@pytest.mark.xfail(strict=True, reason=REASON)
 def test_output_dtype_narrower_than_an_attacker_gradient_keeps_the_release_finite() -> None:
     params = {"w": torch.ones(3, dtype=torch.float64)}
     batch = torch.tensor([[1e300, 1.0, 1.0], [0.5, 0.5, 0.5]], dtype=torch.float64)  # example 0: the attacker
@@ -39,7 +33,6 @@ def test_output_dtype_narrower_than_an_attacker_gradient_keeps_the_release_finit
     assert float(released.double().norm()) <= 2.0  # two examples, each clipped to 1
 
 
-@pytest.mark.xfail(strict=True, reason=REASON)
 def test_a_pre_clip_hook_that_widens_the_dtype_keeps_the_release_finite() -> None:
     params = {"w": torch.ones(3)}
     batch = torch.tensor([[1.0, 1.0, 1.0], [0.5, 0.5, 0.5]])
@@ -48,7 +41,6 @@ def test_a_pre_clip_hook_that_widens_the_dtype_keeps_the_release_finite() -> Non
     assert bool(torch.isfinite(out.pytree["w"]).all()), out.pytree["w"]
 
 
-@pytest.mark.xfail(strict=True, reason=REASON)
 def test_the_second_moment_stream_stays_finite_for_an_attacker_gradient() -> None:
     params = {"w": torch.ones(3, dtype=torch.float64)}
     batch = torch.tensor([[1e300, 1.0, 1.0], [0.5, 0.5, 0.5]], dtype=torch.float64)

@@ -265,15 +265,20 @@ def clipped_step(
             for i, g_leaf in enumerate(per_ex.grad_leaves):
                 if sanitize:
                     g_leaf = torch.nan_to_num(g_leaf, nan=0.0, posinf=0.0, neginf=0.0)
-                w = weights[leaf_group[i]].to(device=g_leaf.device, dtype=out_dtypes[i])
-                g_out = g_leaf.to(out_dtypes[i])
-                term = torch.tensordot(w, g_out, dims=([0], [0]))
+                # Weight in the wider of the gradient's and the output's dtype, and cast only what
+                # is weighted: a gradient finite in float64 but beyond float32's range would become
+                # inf in a float32 output, and its tiny weight times inf is NaN -- one attacker
+                # example would turn the whole release into NaN (present: NaN, absent: finite).
+                wide = torch.promote_types(g_leaf.dtype, out_dtypes[i])
+                w = weights[leaf_group[i]].to(device=g_leaf.device, dtype=wide)
+                g_out = g_leaf.to(wide)
+                term = torch.tensordot(w, g_out, dims=([0], [0])).to(out_dtypes[i])
                 sums[i] = term if sums[i] is None else sums[i].add_(term)
                 if cfg.second_moment:
                     # Square each example's clipped contribution w_i g_i (bounded by C), never g_i itself
                     # (whose square can overflow): ||(w g)^2||_2 <= ||w g||_2^2 <= C^2 per example.
                     clipped_ex = w.reshape(-1, *([1] * (g_out.dim() - 1))) * g_out
-                    sq_term = clipped_ex.square_().sum(dim=0)
+                    sq_term = clipped_ex.square_().sum(dim=0).to(out_dtypes[i])
                     sq_sums[i] = sq_term if sq_sums[i] is None else sq_sums[i].add_(sq_term)
         all_norms.append(norms)
         all_weights.append(weights)
