@@ -235,7 +235,7 @@ class DPTrainer(transformers.Trainer):
             keys = tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor)))
             tensors = tuple(batch[k] for k in keys)
             if self._will_log(step + 1):
-                s, c = _loss_sum(losses, fmodel, params, {k: batch[k] for k in keys})
+                s, c = _loss_sum(losses, fmodel, params, {k: batch[k] for k in keys}, args.microbatch_size)
                 loss_sum, loss_count = loss_sum + s, loss_count + c
             updates, state = pipeline_for(keys).update(tensors, state, params)
             params = apply_updates(params, updates)
@@ -449,13 +449,17 @@ def _loss_over(losses: Callable[..., torch.Tensor], fmodel: FunctionalModel, key
     return one
 
 
-def _loss_sum(losses: Callable[..., torch.Tensor], fmodel: FunctionalModel, params: Any, batch: dict[str, torch.Tensor]) -> tuple[float, int]:
-    first = next(iter(batch.values()))
-    if first.shape[0] == 0:
-        return 0.0, 0
+def _loss_sum(losses: Callable[..., torch.Tensor], fmodel: FunctionalModel, params: Any, batch: dict[str, torch.Tensor],
+              chunk: int | None = None) -> tuple[float, int]:
+    """Sum and count of the per-example losses (``chunk`` examples at a time, as the clipping)."""
+    n = next(iter(batch.values())).shape[0]
+    total, count = 0.0, 0
+    step = chunk or max(n, 1)
     with torch.no_grad():
-        values = losses(fmodel, params, batch)
-    return float(values.detach().double().sum()), int(values.shape[0])
+        for start in range(0, n, step):
+            values = losses(fmodel, params, {k: v[start:start + step] for k, v in batch.items()})
+            total, count = total + float(values.detach().double().sum()), count + int(values.shape[0])
+    return total, count
 
 
 def _global_sum(t: torch.Tensor) -> torch.Tensor:

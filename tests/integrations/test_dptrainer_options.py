@@ -15,16 +15,15 @@ from tests.integrations import _hf_trainer as hf  # noqa: E402
 
 def _run(tmp_path, name, **kw):
     model = hf.gpt2_lora(seed=3)
-    seen = []  # the batch sizes the model is differentiated on
+    seen = []  # the batch sizes the model is called on (the clipping's and the logged loss's)
 
     def record(module, args, kwargs):
-        if torch.is_grad_enabled():
-            seen.append(int(kwargs["input_ids"].shape[0]))
+        seen.append(int(kwargs["input_ids"].shape[0]))
 
     model.register_forward_pre_hook(record, with_kwargs=True)
     args = TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=10, max_steps=3,
                              learning_rate=1e-2, privacy_noise_multiplier=1.0, clipping_norm=0.1, privacy_seed=0,
-                             privacy_accountant="rdp", **hf.COMMON, **kw)
+                             privacy_accountant="rdp", logging_steps=1, **hf.COMMON, **kw)
     trainer = DPTrainer(model=model, args=args, train_dataset=hf.counting_lm_data(40))
     out = hf.quiet_train(trainer)
     trainer.seen = seen
@@ -37,7 +36,7 @@ def test_microbatch_size_changes_memory_only(tmp_path, backend):
     chunked, out_chunked, t_chunked = _run(tmp_path, "chunked", clip_backend=backend, microbatch_size=3)
     sizes = [len(t_whole._dp["sampler"].batch(t)) for t in range(3)]
     assert max(sizes) > 3
-    if backend == "auto":  # the model sees whole batches, or chunks of at most 3 (vmap sees one example anyway)
+    if backend == "auto":  # the model sees whole batches, or chunks of at most 3 (vmap's clipping sees one example)
         assert max(t_whole.seen) == max(sizes) and max(t_chunked.seen) <= 3
     assert whole.keys() == chunked.keys()
     start = hf.trainable(hf.gpt2_lora(seed=3))
@@ -45,6 +44,9 @@ def test_microbatch_size_changes_memory_only(tmp_path, backend):
     for n in whole:
         torch.testing.assert_close(chunked[n], whole[n], atol=1e-6, rtol=0)
     assert out_chunked.metrics["privacy_epsilon"] == out_whole.metrics["privacy_epsilon"]
+    logged = [[h["loss"] for h in t.state.log_history if "epsilon" in h] for t in (t_whole, t_chunked)]
+    assert len(logged[0]) == 3
+    assert logged[1] == pytest.approx(logged[0], rel=1e-6)  # the logged loss is also computed in chunks
     assert t_chunked.privacy_plan == t_whole.privacy_plan
 
 
