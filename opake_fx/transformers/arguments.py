@@ -46,6 +46,10 @@ class TrainingArguments(transformers.TrainingArguments):
 
     * ``per_device_train_batch_size`` is the EXPECTED batch per rank: under Poisson
       sampling each step's batch has a random size (empty batches are normal steps).
+      With ``gradient_accumulation_steps = k > 1`` the expected logical batch per rank is
+      ``k * per_device_train_batch_size``: each DP step draws one logical batch, clips
+      and sums it in chunks of ``per_device_train_batch_size`` examples (memory only), and
+      adds the noise once; there are no noised micro-steps.
     * ``num_train_epochs`` / ``max_steps`` fix the length of the run, which the privacy
       budget is calibrated for; the run stops when the budget is spent.
     * ``max_grad_norm`` is not used: DP clips each example's gradient to ``clipping_norm``.
@@ -127,6 +131,22 @@ class TrainingArguments(transformers.TrainingArguments):
         self._check_training_fields()
 
     # --- conversion ---------------------------------------------------------------------
+
+    @property
+    def logical_batch_size(self) -> int:
+        """The expected batch of one DP step per rank: ``per_device_train_batch_size *
+        gradient_accumulation_steps``."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def clipping_chunk_size(self) -> int | None:
+        """How many examples the clipping computes at once (memory only): ``microbatch_size``,
+        and at most ``per_device_train_batch_size`` under gradient accumulation; ``None``:
+        the whole batch."""
+        chunks = [c for c in (self.microbatch_size,
+                              self.per_device_train_batch_size if self.gradient_accumulation_steps > 1 else None)
+                  if c is not None]
+        return min(chunks) if chunks else None
 
     @classmethod
     def from_hf(cls, hf_args: transformers.TrainingArguments, **dp_fields: Any) -> TrainingArguments:
@@ -244,13 +264,9 @@ class TrainingArguments(transformers.TrainingArguments):
             )
 
     def _check_training_fields(self) -> None:
-        if self.gradient_accumulation_steps != 1:
-            raise InputValueError(
-                f"TrainingArguments: gradient_accumulation_steps={self.gradient_accumulation_steps} is not supported "
-                "by DPTrainer: one DP step must clip and noise one logical batch, and accumulating noised "
-                "micro-steps would add the noise several times. Set gradient_accumulation_steps=1 and make "
-                "per_device_train_batch_size the expected logical batch."
-            )
+        g = self.gradient_accumulation_steps
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise InputValueError(f"TrainingArguments: gradient_accumulation_steps must be an int >= 1; got {g!r}.")
         if self.auto_find_batch_size:
             raise InputValueError(
                 "TrainingArguments: auto_find_batch_size changes the batch size, which the privacy accounting depends "

@@ -171,7 +171,7 @@ class DPTrainer(transformers.Trainer):
             if keys not in pipelines:
                 pipelines[keys] = plan.pipeline(_loss_over(losses, fmodel, keys, plan.clip_backend), optimizer,
                                                 key=noise_key, model=fmodel, batch_argnums=tuple(range(1, len(keys) + 1)),
-                                                microbatch_size=args.microbatch_size)
+                                                microbatch_size=args.clipping_chunk_size)
             return pipelines[keys]
 
         non_private = plan.noise_multiplier == 0
@@ -235,7 +235,7 @@ class DPTrainer(transformers.Trainer):
             keys = tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor)))
             tensors = tuple(batch[k] for k in keys)
             if self._will_log(step + 1):
-                s, c = _loss_sum(losses, fmodel, params, {k: batch[k] for k in keys}, args.microbatch_size)
+                s, c = _loss_sum(losses, fmodel, params, {k: batch[k] for k in keys}, args.clipping_chunk_size)
                 loss_sum, loss_count = loss_sum + s, loss_count + c
             updates, state = pipeline_for(keys).update(tensors, state, params)
             params = apply_updates(params, updates)
@@ -323,7 +323,7 @@ class DPTrainer(transformers.Trainer):
             raise InputValueError("DPTrainer: sampling_mode='sequential' runs in one process only.")
         return DPPlan(
             dataset_size=n,
-            batch_size=float(args.per_device_train_batch_size * world),
+            batch_size=float(args.logical_batch_size * world),
             clipping_norm=clip,
             target_epsilon=args.privacy_target_epsilon,
             delta=args.privacy_target_delta if args.privacy_target_delta is not None else 1.0 / n**1.1,
@@ -340,7 +340,7 @@ class DPTrainer(transformers.Trainer):
         if self.args.sampling_mode == "sequential":
             from opake_fx.dpsgd.sampling import SequentialBatchSampler
 
-            return SequentialBatchSampler(len(dataset), batch_size=self.args.per_device_train_batch_size,
+            return SequentialBatchSampler(len(dataset), batch_size=self.args.logical_batch_size,
                                           n_steps=plan.steps, drop_last=self.args.dataloader_drop_last)
         return plan.sampler(dataset, sampler_key, rank=rank, world_size=world)
 

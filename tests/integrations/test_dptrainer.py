@@ -203,7 +203,6 @@ def _args(tmp_path, **kw):
 @pytest.mark.parametrize("fields, match", [
     ({}, "neither was given"),
     ({"privacy_target_epsilon": 3.0, "privacy_noise_multiplier": 1.0}, "both were given"),
-    ({"privacy_target_epsilon": 3.0, "gradient_accumulation_steps": 2}, "gradient_accumulation_steps"),
     ({"privacy_target_epsilon": 3.0, "clipping_norm": math.inf}, "clipping_norm=inf"),
     ({"privacy_target_epsilon": 3.0, "sampling_mode": "sequential"}, "sequential"),
     ({"privacy_target_epsilon": 3.0, "clipping_mode": "adaptive"}, "clipping_mode"),

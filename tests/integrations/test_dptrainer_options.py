@@ -1,4 +1,4 @@
-"""DPTrainer options that map onto the plan: micro-batching (memory only)."""
+"""DPTrainer options that map onto the plan: micro-batching and gradient accumulation (memory only)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from opake_fx.transformers import DPTrainer, TrainingArguments  # noqa: E402
 from tests.integrations import _hf_trainer as hf  # noqa: E402
 
 
-def _run(tmp_path, name, **kw):
+def _run(tmp_path, name, per_device_train_batch_size=10, **kw):
     model = hf.gpt2_lora(seed=3)
     seen = []  # the batch sizes the model is called on (the clipping's and the logged loss's)
 
@@ -21,7 +21,8 @@ def _run(tmp_path, name, **kw):
         seen.append(int(kwargs["input_ids"].shape[0]))
 
     model.register_forward_pre_hook(record, with_kwargs=True)
-    args = TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=10, max_steps=3,
+    args = TrainingArguments(output_dir=str(tmp_path / name), max_steps=3,
+                             per_device_train_batch_size=per_device_train_batch_size,
                              learning_rate=1e-2, privacy_noise_multiplier=1.0, clipping_norm=0.1, privacy_seed=0,
                              privacy_accountant="rdp", logging_steps=1, **hf.COMMON, **kw)
     trainer = DPTrainer(model=model, args=args, train_dataset=hf.counting_lm_data(40))
@@ -48,6 +49,21 @@ def test_microbatch_size_changes_memory_only(tmp_path, backend):
     assert len(logged[0]) == 3
     assert logged[1] == pytest.approx(logged[0], rel=1e-6)  # the logged loss is also computed in chunks
     assert t_chunked.privacy_plan == t_whole.privacy_plan
+
+
+def test_gradient_accumulation_is_one_dp_step_per_logical_batch(tmp_path):
+    # 2 x 5 accumulated is the step of 10 at once: the same plan (expected batch 10), the same batches, the noise once
+    whole, out_whole, t_whole = _run(tmp_path, "whole")
+    acc, out_acc, t_acc = _run(tmp_path, "acc", per_device_train_batch_size=5, gradient_accumulation_steps=2)
+    assert t_acc.privacy_plan == t_whole.privacy_plan and t_acc.privacy_plan.batch_size == 10
+    assert out_acc.global_step == 3 and out_acc.metrics["privacy_epsilon"] == out_whole.metrics["privacy_epsilon"]
+    sizes = [len(t_acc._dp["sampler"].batch(t)) for t in range(3)]
+    assert max(sizes) > 5 and max(t_acc.seen) <= 5  # computed in chunks of the per-device batch
+    for n in whole:
+        torch.testing.assert_close(acc[n], whole[n], atol=1e-6, rtol=0)
+    assert t_acc.args.clipping_chunk_size == 5
+    assert _run(tmp_path, "both", per_device_train_batch_size=5, gradient_accumulation_steps=2,
+                microbatch_size=2)[2].args.clipping_chunk_size == 2
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.5, True])
