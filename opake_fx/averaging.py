@@ -22,13 +22,13 @@ Example:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from opake_fx.errors import InputTypeError, InputValueError
+import opake_fx.validation as check
+from opake_fx.errors import InputTypeError
 from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.pytree import tree_map
 from opake_fx.transforms import Transform
@@ -50,12 +50,7 @@ class AverageState:
     count: int = 0
 
 
-def _check_unit(name: str, value: Any, *, closed_low: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise InputTypeError(f"{name} must be a real number in [0, 1); got {value!r}.")
-    if not (0.0 <= value < 1.0):
-        raise InputValueError(f"{name} must be in [0, 1) (1 would never move the average); got {value!r}.")
-    return float(value)
+_START_HINT = "It counts the updates before averaging starts."
 
 
 def ema_decay_at(decay: float, count: int, warmup: bool) -> float:
@@ -103,9 +98,8 @@ def ema(decay: float, *, warmup: bool = True, start: int = 0) -> Transform:
         >>> round(out["w"].item(), 6)
         0.19
     """
-    d0 = _check_unit("ema decay", decay)
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise InputValueError(f"ema start must be an int >= 0 (updates before averaging); got {start!r}.")
+    d0 = check.interval(decay, "decay", "ema", 0.0, 1.0, high_open=True, hint="1 would never move the average.")
+    check.integer(start, "start", "ema", minimum=0, hint=_START_HINT)
 
     def init(params: Any) -> AverageState:
         return AverageState(_copy(params), 0)
@@ -142,8 +136,7 @@ def polyak(*, start: int = 0) -> Transform:
         >>> out[0].item()
         3.0
     """
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise InputValueError(f"polyak start must be an int >= 0 (updates before averaging); got {start!r}.")
+    check.integer(start, "start", "polyak", minimum=0, hint=_START_HINT)
 
     def init(params: Any) -> AverageState:
         return AverageState(_copy(params), 0)
