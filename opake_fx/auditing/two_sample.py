@@ -168,20 +168,24 @@ class CanaryScoreAuditor:
             value, _ = at(self, significance / self.thresholds.size, None)
             return value
         if isinstance(threshold, str):
-            if threshold != "split":
-                raise InputValueError(f"threshold must be None, a number or 'split'; got {threshold!r}.")
-            rng = _numpy_rng(key)
-            in_a, in_b = _halves(self.in_scores, rng)
-            out_a, out_b = _halves(self.out_scores, rng)
-            chooser = CanaryScoreAuditor(in_a, out_a)
+            chooser, second = self._split(threshold, key)
             _, t = at(chooser, significance / chooser.thresholds.size, None)
-            value, _ = at(CanaryScoreAuditor(in_b, out_b), significance, t)
+            value, _ = at(second, significance, t)
             return value
         t = float(threshold)
         if np.isnan(t):
             raise InputValueError("threshold is NaN.")
         value, _ = at(self, significance, t)
         return value
+
+    def _split(self, threshold: str, key: Any) -> tuple[CanaryScoreAuditor, CanaryScoreAuditor]:
+        """``threshold="split"``: a keyed random half of each side to choose on, the other half to bound."""
+        if threshold != "split":
+            raise InputValueError(f"threshold must be None, a number or 'split'; got {threshold!r}.")
+        rng = _numpy_rng(key)
+        in_a, in_b = _halves(self.in_scores, rng)
+        out_a, out_b = _halves(self.out_scores, rng)
+        return CanaryScoreAuditor(in_a, out_a), CanaryScoreAuditor(in_b, out_b)
 
     def _counts_at(self, t: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if t is None:
@@ -211,16 +215,12 @@ class CanaryScoreAuditor:
         if threshold is None:
             return bound(self._estimate(), significance, _top_grid(m))
         if isinstance(threshold, str):
-            if threshold != "split":
-                raise InputValueError(f"threshold must be None, a number or 'split'; got {threshold!r}.")
-            rng = _numpy_rng(key)
-            in_a, in_b = _halves(self.in_scores, rng)
-            out_a, out_b = _halves(self.out_scores, rng)
-            chooser = CanaryScoreAuditor(in_a, out_a)._estimate()
+            chooser_auditor, second_auditor = self._split(threshold, key)
+            chooser = chooser_auditor._estimate()
             grid_a = _top_grid(chooser.num_canaries)
             values = [bound(chooser, significance / len(grid_a), [g]) for g in grid_a]
             fraction = grid_a[int(np.argmax(values))][0] / chooser.num_canaries
-            second = CanaryScoreAuditor(in_b, out_b)._estimate()
+            second = second_auditor._estimate()
             k = min(second.num_canaries, max(1, int(round(fraction * second.num_canaries))))
             return bound(second, significance, [(k, 0)])
         t = float(threshold)
