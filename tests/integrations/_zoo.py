@@ -548,18 +548,17 @@ def build(case: Case, seed: int = 0) -> nn.Module:
 def prepare(case: Case, b: int, model: nn.Module | None = None, seed: int = 0) -> Prepared:
     """The float64 model, its trainable parameters and the batched loss over them."""
     model = build(case, seed) if model is None else model
-    fmodel, params = make_functional(model)
-    chosen = [i for i, n in enumerate(fmodel.param_names) if case.trainable is None or case.trainable(n)]
+    if case.trainable is not None:  # freeze the rest: only the trainable subset is differentiated
+        for n, p in model.named_parameters():
+            p.requires_grad_(case.trainable(n))
+    fmodel, params = make_functional(model, trainable_only=True)
     gen = torch.Generator().manual_seed(1000 * seed + b)
     batch = tuple(t.double() if t.is_floating_point() else t for t in case.batch(b, gen))
 
     def batched(train: Any, *xs: torch.Tensor) -> torch.Tensor:
-        full = list(params)
-        for i, t in zip(chosen, train):
-            full[i] = t
-        return case.loss(fmodel, tuple(full), *xs)
+        return case.loss(fmodel, tuple(train), *xs)
 
-    return Prepared(fmodel, tuple(params[i] for i in chosen), [fmodel.param_names[i] for i in chosen], batched, batch)
+    return Prepared(fmodel, tuple(params), list(fmodel.param_names), batched, batch)
 
 
 def per_example_grads(batched: Callable[..., torch.Tensor], train: tuple[torch.Tensor, ...],
