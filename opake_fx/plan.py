@@ -25,16 +25,21 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import opake_fx.validation as check
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.random import RngKey, fold_in
+from opake_fx.types import PerGroup
 
-__all__ = ["DPPlan", "Participation", "SAMPLERS", "MECHANISMS", "COMPATIBLE"]
+__all__ = ["DPPlan", "Participation", "SAMPLERS", "MECHANISMS", "COMPATIBLE", "CLIPPING_MODES", "CLIPPING_KWARGS",
+           "per_group_by_regex"]
 
 SAMPLERS = ("poisson", "truncated_poisson", "cyclic_poisson", "b_min_sep", "balls_in_bins")
 """The samplers a plan can use; each comes with its own accounting."""
@@ -60,6 +65,21 @@ COMPATIBLE: dict[str, tuple[str, ...]] = {
   these samplers is Monte Carlo and does not compose step by step; use
   :mod:`opake_fx.dpftrl.accounting` directly for it).
 """
+
+
+CLIPPING_MODES = ("fixed", "auto", "adaptive")
+"""How the plan clips: ``fixed`` (to ``clipping_norm``, one norm or per group), ``auto``
+(AUTO-S, Bu et al. 2023: every gradient scaled to norm just under ``clipping_norm``) or
+``adaptive`` (the norm tracks a quantile of the gradient norms through a noised count,
+Andrew et al. 2021; ``clipping_norm`` is the initial norm)."""
+
+CLIPPING_KWARGS: dict[str, dict[str, float | None]] = {
+    "fixed": {},
+    "auto": {"gamma": 0.01},
+    "adaptive": {"target_quantile": 0.5, "learning_rate": 0.2, "count_noise_multiplier": None},
+}
+"""The ``clipping_kwargs`` each clipping mode takes, with their defaults (``None``: derived;
+``count_noise_multiplier`` defaults to ``batch_size / 20``, Andrew et al.'s suggestion)."""
 
 
 @dataclass(frozen=True)
@@ -110,10 +130,32 @@ class DPPlan:
         sample_rate: the Poisson sampling probability of each example at each step.
         steps: the number of steps (batches) of the run.
         epochs: ``steps * sample_rate`` (expected passes over the data).
-        clipping_norm: the per-example L2 clip norm C.
+        clipping_norm: the per-example L2 clip norm C, or a
+            :class:`~opake_fx.types.PerGroup` of per-group norms ``C_g`` over the leaves of
+            the parameters the pipeline is given (build one from parameter-name regexes
+            with :func:`per_group_by_regex`; ``to_dict`` writes it as plain data
+            ``{"groups": [[path, group], ...], "values": {group: C_g}}``, which is also
+            accepted). One example's whole gradient is then bounded by the total
+            sensitivity ``sqrt(sum_g C_g**2)`` (:attr:`sensitivity`), which the noise is
+            scaled to. With ``clipping_mode="adaptive"``: the initial norm.
+        clipping_mode: ``"fixed"`` (default), ``"auto"`` (AUTO-S: the same sensitivity
+            ``clipping_norm`` and the same accounting as fixed clipping) or
+            ``"adaptive"`` (quantile tracking; every step also releases a noised clipped
+            count, which :meth:`step_cost_at` charges: ``adaptive_clipping_gaussian``).
+            See :data:`CLIPPING_MODES`.
+        clipping_kwargs: the mode's options, filled in with their defaults
+            (:data:`CLIPPING_KWARGS`): ``auto``: ``gamma``; ``adaptive``:
+            ``target_quantile``, ``learning_rate`` (of the geometric update) and
+            ``count_noise_multiplier`` (the std of the count's noise, in counts;
+            default ``batch_size / 20``). ``fixed`` takes none. Stored read-only.
         target_epsilon, delta: the budget; ``delta`` is required whenever epsilon is
             asked for.
-        noise_multiplier: sigma; the noise stddev is ``sigma * C / batch_size``.
+        noise_multiplier: sigma, the noise multiplier of the GRADIENT; the noise stddev
+            is ``sigma * sensitivity / batch_size`` (per-group norms: every coordinate
+            gets ``sigma * sqrt(sum_g C_g**2) / batch_size``). An adaptive plan's
+            accounting charges the gradient and the count together, with the effective
+            multiplier ``(sigma**-2 + (2 * count_noise_multiplier)**-2)**-1/2``, and a
+            target epsilon calibrates sigma for that combined mechanism.
         sampling: ``"poisson"`` or ``"truncated_poisson"`` (batches capped at
             ``max_batch_size``, accounted by ``truncated_poisson``) for the Gaussian
             mechanism; ``"cyclic_poisson"`` for a banded strategy (the data split into
@@ -136,14 +178,18 @@ class DPPlan:
         clip_backend: ``"vmap"``, ``"ghost"`` or ``"auto"`` (see ``clipped_grad``).
         accountant_kind: ``"pld"`` (default) or ``"rdp"``: how epsilon is measured.
 
-    Privacy contract: the pipeline clips each example to ``clipping_norm``, sums over
-    ranks and adds Gaussian noise of multiplier ``noise_multiplier`` to a sum of
-    sensitivity ``clipping_norm / batch_size`` (DP-FTRL: correlated noise ``C^{-1} z``
-    with ``z`` scaled to the strategy's sensitivity under :attr:`participation`); the
-    sampler draws the plan's batches for ``steps`` steps (each rank its disjoint shard,
-    with ``fold_in(key, rank)``); the accountant charges ``step_cost_at(t)`` at step
-    ``t``. All three read the same fields, which is what makes the accounted epsilon the
-    run's epsilon.
+    Privacy contract: the pipeline clips each example to ``clipping_norm`` (per group:
+    group g to ``C_g``; AUTO-S: scaled to norm below ``clipping_norm``; adaptive: to
+    the current norm ``C_t``), sums over ranks and adds Gaussian noise of multiplier
+    ``noise_multiplier`` to a sum of sensitivity ``sensitivity / batch_size`` (adaptive:
+    ``C_t / batch_size``; DP-FTRL: correlated noise ``C^{-1} z`` with ``z`` scaled to the
+    strategy's sensitivity under :attr:`participation`); the sampler draws the plan's
+    batches for ``steps`` steps (each rank its disjoint shard, with ``fold_in(key,
+    rank)``); the accountant charges ``step_cost_at(t)`` at step ``t`` (adaptive: the
+    gradient and the noised count together). All three read the same fields, which is
+    what makes the accounted epsilon the run's epsilon. Refused pairs (no sound
+    accounting here): ``clipping_mode="adaptive"`` with a DP-FTRL mechanism or with
+    per-group norms, ``"auto"`` with per-group norms.
 
     Raises:
         InputValueError / InputTypeError: a missing, contradictory or invalid field.
@@ -155,7 +201,7 @@ class DPPlan:
     sample_rate: float | None = None
     steps: int | None = None
     epochs: float | None = None
-    clipping_norm: float = 1.0
+    clipping_norm: float | PerGroup = 1.0
     target_epsilon: float | None = None
     delta: float | None = None
     noise_multiplier: float | None = None
@@ -167,6 +213,11 @@ class DPPlan:
     accountant_kind: str = "pld"
     min_sep: int | None = None
     augmult: int = 1
+    clipping_mode: str = "fixed"
+    clipping_kwargs: Mapping[str, float] | None = None
+
+    def __hash__(self) -> int:  # clipping_kwargs is a mapping: hash the canonical plain data
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
 
     def __post_init__(self) -> None:
         n = check.integer(self.dataset_size, "dataset_size", "DPPlan", minimum=1)
@@ -185,9 +236,10 @@ class DPPlan:
             batch_size = n / min_sep  # every example once per cycle of min_sep bins
         q, b = _sampling(n, batch_size, self.sample_rate)
         steps, epochs = _length(q, self.steps, self.epochs)
-        c = check.real(self.clipping_norm, "clipping_norm", "DPPlan", "the per-example clip norm, e.g. 1.0")
-        if not (c > 0 and math.isfinite(c)):
-            raise InputValueError(f"DPPlan: clipping_norm must be finite and > 0; got {c}.")
+        c = _clipping_norm(self.clipping_norm)
+        mode = check.choice(self.clipping_mode, "clipping_mode", "DPPlan", CLIPPING_MODES)
+        object.__setattr__(self, "clipping_kwargs", MappingProxyType(_clipping_kwargs(mode, self.clipping_kwargs, b)))
+        self._check_clipping_mode(c)
         if min_sep is not None:
             self._check_min_sep(n, b, steps, min_sep)
         if self.mechanism in ("band_mf", "bsr"):
@@ -316,8 +368,17 @@ class DPPlan:
         augment: Callable[..., Any] | None = None,
         augment_key: RngKey | None = None,
         microbatch_size: int | None = None,
+        count_key: RngKey | None = None,
     ) -> Any:
         """``named_chain(clip, psum, noise, opt)`` with the plan's clip norm, normalisation and noise.
+
+        The clip stage follows :attr:`clipping_mode`: :func:`~opake_fx.dpsgd.clip`
+        (``clipping_norm`` a float or a ``PerGroup``), :func:`~opake_fx.dpsgd.auto_clip`
+        (AUTO-S, ``gamma`` from ``clipping_kwargs``) or
+        :func:`~opake_fx.dpsgd.adaptive_clip` (``count_key`` required: the key of the
+        count's noise, independent of the noise key; under a process group the stage
+        ``sync``-s its state after every step, so the count is summed over ranks before
+        the norm moves and every rank clips the next step at the same norm).
 
         With ``augmult=K > 1`` the clip stage is :func:`opake_fx.augmult.augmult`: each
         example's gradient is averaged over ``K`` copies ``augment(keys, x)`` before it is
@@ -334,18 +395,23 @@ class DPPlan:
             augment: with ``augmult > 1``: ``augment(keys [B, 2], x [B, ...]) -> [B, ...]``,
                 acting on each example alone (e.g. :func:`opake_fx.augmult.random_shift`).
             augment_key: with ``augmult > 1``: the augmentation key.
+            count_key: with ``clipping_mode="adaptive"`` only: the count-noise key (the
+                SAME on every rank; neither the noise key nor the sampler key).
             microbatch_size: memory only: the clip stage computes the per-example
                 gradients this many examples at a time (``None``: the whole batch at
                 once). The same examples are clipped to the same norm and summed, so the
                 result and the privacy are those without it (up to float summation order).
 
         Privacy: clip to ``clipping_norm``, divide by ``batch_size``, sum over ranks, add
-        ``noise_multiplier * clipping_norm / batch_size`` Gaussian noise (DP-FTRL: the
-        strategy's correlated noise, its ``z`` scaled to the sensitivity under
-        :attr:`participation`): the mechanism that :meth:`step_cost_at` accounts.
+        ``noise_multiplier * sensitivity / batch_size`` Gaussian noise to every coordinate
+        (per-group norms: isotropic noise at the total sensitivity ``sqrt(sum_g C_g**2)``;
+        adaptive: ``noise_multiplier * C_t / batch_size`` at step ``t``, plus the count's
+        noise; DP-FTRL: the strategy's correlated noise, its ``z`` scaled to the
+        sensitivity under :attr:`participation`): the mechanism that :meth:`step_cost_at`
+        accounts.
         """
         from opake_fx.distributed import psum
-        from opake_fx.dpsgd import clip, noise
+        from opake_fx.dpsgd import adaptive_clip, auto_clip, clip, noise
         from opake_fx.transforms import named_chain
 
         if self.mechanism != "gaussian":
@@ -354,12 +420,35 @@ class DPPlan:
             p = self.participation  # the same value the accounting reads
             noise_stage = mf_noise(self.strategy, noise_multiplier=self.noise_multiplier, key=key, min_sep=p.min_sep,
                                    max_participations=p.max_participations, n_steps=p.steps)
-        else:
-            noise_stage = noise(noise_multiplier=self.noise_multiplier, key=key)
-        clip_args = dict(clipping_norm=self.clipping_norm, normalize_by=self.batch_size,
-                         batch_argnums=tuple(batch_argnums), clip_backend=self.clip_backend, model=model)
+        else:  # isotropic: every coordinate at the total sensitivity (a scalar max_norm ignores it)
+            noise_stage = noise(noise_multiplier=self.noise_multiplier, key=key, allocation="isotropic")
+        clip_args: dict[str, Any] = dict(normalize_by=self.batch_size, batch_argnums=tuple(batch_argnums),
+                                         clip_backend=self.clip_backend, model=model)
         if microbatch_size is not None:
             clip_args["microbatch_size"] = microbatch_size  # validated by clipped_grad
+        kw = self.clipping_kwargs
+        if self.clipping_mode == "adaptive":
+            if not isinstance(count_key, RngKey):
+                raise InputValueError(
+                    "DPPlan(clipping_mode='adaptive').pipeline needs count_key=key(...): the key of the clipped "
+                    "count's noise (the same on every rank; not the noise key, not the sampler key)."
+                )
+            factory: Callable[..., Any] = adaptive_clip
+            clip_args.update(initial_clipping_norm=self.clipping_norm, key=count_key,
+                             count_noise_multiplier=kw["count_noise_multiplier"],
+                             target_quantile=kw["target_quantile"], learning_rate=kw["learning_rate"],
+                             expected_batch_size=self.batch_size)
+        elif count_key is not None:
+            raise InputValueError(
+                f"DPPlan.pipeline(count_key=...) applies to clipping_mode='adaptive' only; this plan's clipping_mode is "
+                f"{self.clipping_mode!r}. Leave count_key out."
+            )
+        elif self.clipping_mode == "auto":
+            factory = auto_clip
+            clip_args.update(clipping_norm=self.clipping_norm, gamma=kw["gamma"])
+        else:
+            factory = clip
+            clip_args["clipping_norm"] = self.clipping_norm
         if self.augmult > 1:
             from opake_fx.augmult import augmult
 
@@ -368,11 +457,14 @@ class DPPlan:
                     f"DPPlan(augmult={self.augmult}).pipeline needs augment=fn(keys, x) and augment_key=key(...) "
                     "(the augmentation and its own key, not the noise key)."
                 )
-            clip_stage = augmult(loss_fn, augment=augment, multiplicity=self.augmult, key=augment_key, **clip_args)
+            clip_stage = augmult(loss_fn, augment=augment, multiplicity=self.augmult, key=augment_key,
+                                 clip_fn=factory, **clip_args)
         elif augment is not None:
             raise InputValueError("DPPlan.pipeline(augment=...) needs a plan with augmult=K >= 2 (the copies per example).")
         else:
-            clip_stage = clip(loss_fn, **clip_args)
+            clip_stage = factory(loss_fn, **clip_args)
+        if self.clipping_mode == "adaptive":
+            clip_stage = _synced_counts(clip_stage)
         return named_chain(
             ("clip", clip_stage),
             ("psum", psum()),
@@ -417,6 +509,19 @@ class DPPlan:
         if not self.participation.amplified:
             return self._increments()[t]
         return self._step(self.noise_multiplier)
+
+    @property
+    def sensitivity(self) -> float:
+        """One example's L2 bound on the clipped gradient: ``clipping_norm``, or ``sqrt(sum_g C_g**2)``
+        for per-group norms (adaptive: the initial norm; the step's own ``C_t`` later).
+
+        Example:
+            >>> pg = PerGroup({(0,): "a", (1,): "b"}, {"a": 3.0, "b": 4.0})
+            >>> DPPlan(dataset_size=100, batch_size=10, steps=5, noise_multiplier=1.0, clipping_norm=pg).sensitivity
+            5.0
+        """
+        c = self.clipping_norm
+        return c.effective if isinstance(c, PerGroup) else float(c)
 
     @property
     def group_rate(self) -> float:
@@ -513,8 +618,18 @@ class DPPlan:
         return self._run(self.noise_multiplier, n).epsilon_at(delta, accountant=self.accountant_kind)
 
     def to_dict(self) -> dict[str, Any]:
-        """The plan's fields as plain data (``DPPlan(**d)`` rebuilds it without recalibrating)."""
-        return dataclasses.asdict(self)
+        """The plan's fields as plain (JSON) data (``DPPlan(**d)`` rebuilds it without recalibrating).
+
+        A per-group ``clipping_norm`` is written ``{"groups": [[path, group], ...],
+        "values": {group: C_g}}`` (paths as lists), ``clipping_kwargs`` as a dict.
+        """
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        c = self.clipping_norm
+        if isinstance(c, PerGroup):
+            pairs = sorted(([list(path), group] for path, group in c.groups.items()), key=repr)
+            d["clipping_norm"] = {"groups": pairs, "values": dict(sorted(c.values.items()))}
+        d["clipping_kwargs"] = dict(self.clipping_kwargs or {})
+        return d
 
     # --- private -----------------------------------------------------------------------
 
@@ -590,10 +705,40 @@ class DPPlan:
                 "min_sep or batch."
             )
 
+    def _check_clipping_mode(self, c: float | PerGroup) -> None:
+        mode = self.clipping_mode
+        if mode != "fixed" and isinstance(c, PerGroup):
+            raise InputValueError(
+                f"DPPlan: clipping_mode={mode!r} takes one clipping_norm, not per-group norms ("
+                + ("AUTO-S scales every gradient to one norm" if mode == "auto" else
+                   "adaptive clipping tracks one norm") + "). Use clipping_mode='fixed' for per-group clipping, or one "
+                "float clipping_norm."
+            )
+        if mode != "adaptive":
+            return
+        if self.mechanism != "gaussian":
+            raise InputValueError(
+                f"DPPlan: clipping_mode='adaptive' needs mechanism='gaussian'; with mechanism={self.mechanism!r} the "
+                "correlated DP-FTRL noise is scaled to one fixed sensitivity for the whole run, and the plan has no "
+                "accounting for a noised count released next to it. Use clipping_mode='fixed' or 'auto' with DP-FTRL, "
+                "or mechanism='gaussian' with adaptive clipping."
+            )
+        if self.clipping_kwargs["count_noise_multiplier"] == 0 and not (
+            self.target_epsilon is None and self.noise_multiplier is not None and self.noise_multiplier == 0
+        ):
+            raise InputValueError(
+                "DPPlan: clipping_mode='adaptive' with clipping_kwargs['count_noise_multiplier']=0 releases the exact "
+                "clipped count, which is not private. Give count_noise_multiplier > 0 (Andrew et al. suggest "
+                "batch_size / 20, the default), or noise_multiplier=0 for a non-private baseline."
+            )
+
     def _step(self, nm: float) -> Any:
         import opake_fx.dpsgd.accounting as dpsgd_acc
 
-        g = dpsgd_acc.gaussian(nm)
+        if self.clipping_mode == "adaptive":  # the gradient and the noised clipped count: one Gaussian (Andrew et al.)
+            g = dpsgd_acc.adaptive_clipping_gaussian(nm, self.clipping_kwargs["count_noise_multiplier"])
+        else:
+            g = dpsgd_acc.gaussian(nm)
         if self.sampling == "truncated_poisson":
             return dpsgd_acc.truncated_poisson(g, self.sample_rate, self.dataset_size, self.max_batch_size)
         return dpsgd_acc.poisson(g, self.sample_rate)
@@ -628,6 +773,18 @@ class DPPlan:
         # come out up to ~1e-5 (relative) above the one-shot composition calibration measures
         # (both are upper bounds), and must not refuse the plan's own last step.
         budget = acc.epsilon_budget(eps * (1.0 - _RUNNING_SLACK), delta, accountant=self.accountant_kind)
+        if self.clipping_mode == "adaptive":
+            # However much gradient noise, the count alone costs a Gaussian of multiplier 2 * count_noise_multiplier.
+            sb = self.clipping_kwargs["count_noise_multiplier"]
+            count_only = dataclasses.replace(self, clipping_mode="fixed", clipping_kwargs=None,
+                                             noise_multiplier=2.0 * sb, target_epsilon=None)
+            if not budget.is_met_by(count_only._run(2.0 * sb, self.steps)):
+                raise InputValueError(
+                    f"DPPlan: clipping_kwargs['count_noise_multiplier']={sb:g} is too small for target_epsilon={eps} "
+                    f"at delta={delta}: the noised clipped count alone spends more than the budget over {self.steps} "
+                    "steps, whatever the gradient noise. Give a larger count_noise_multiplier (Andrew et al. suggest "
+                    "batch_size / 20) or a larger target_epsilon."
+                )
         if nm is not None:  # e.g. rebuilt from to_dict(): check instead of recalibrating
             if nm == 0 or not budget.is_met_by(self._run(nm, self.steps)):
                 raise InputValueError(
@@ -641,6 +798,165 @@ class DPPlan:
 # Relative room between the one-shot composition of a whole run and the accountant's running
 # composition of its steps (measured within 1e-5: tests/accounting/test_incremental.py).
 _RUNNING_SLACK = 1e-4
+
+
+def per_group_by_regex(params: Any, names: Sequence[str], norms: Mapping[str, float]) -> PerGroup:
+    """Per-group clip norms from parameter-name regexes: ``{regex: C_g, ..., "fallback": C}``.
+
+    Each parameter (leaf ``i`` of ``params``, named ``names[i]``, e.g. ``fmodel.param_names``
+    of :func:`~opake_fx.functional.make_functional`) goes to the FIRST regex, in the
+    dict's order, that ``re.search``-es its name, else to ``"fallback"``. The groups are
+    named by their regex (and ``"fallback"``); the result is the
+    :class:`~opake_fx.types.PerGroup` of :func:`opake_fx.dpsgd.clipping.per_group`.
+
+    Args:
+        params: the parameter pytree the clip stage is given (its leaves in ``names`` order).
+        names: one name per leaf.
+        norms: regex -> clip norm (finite, > 0), and optionally ``"fallback"`` -> norm.
+
+    Raises:
+        InputValueError: an invalid regex or norm; a regex that takes no parameter (it
+            matches none, or only parameters an earlier regex took); a parameter that no
+            regex matches when there is no ``"fallback"``.
+
+    Privacy: none by itself; a plan clipping to these groups has total sensitivity
+    ``sqrt(sum_g C_g**2)`` over the groups that have parameters (an unused ``"fallback"``
+    does not count).
+
+    Example:
+        >>> import torch
+        >>> pg = per_group_by_regex((torch.ones(2), torch.ones(1)), ["attn.weight", "head.bias"],
+        ...                         {"attn": 3.0, "fallback": 4.0})
+        >>> pg.for_path((0,)), pg.for_path((1,)), pg.effective
+        (3.0, 4.0, 5.0)
+    """
+    from opake_fx.dpsgd.clipping import per_group
+
+    where = "clipping_norm"
+    if not isinstance(norms, Mapping) or not norms:
+        raise InputTypeError(f"{where}: per-group norms must be a non-empty dict of regex -> norm (with 'fallback').")
+    compiled: dict[str, re.Pattern[str]] = {}
+    values: dict[str, float] = {}
+    for pattern, norm in norms.items():
+        if not isinstance(pattern, str):
+            raise InputTypeError(f"{where}: the keys are parameter-name regexes (strings); got {pattern!r}.")
+        values[pattern] = check.positive(norm, f"{where}[{pattern!r}]", "per-group clipping",
+                                         "Each group's clip norm is a finite number > 0.")
+        if pattern != "fallback":
+            try:
+                compiled[pattern] = re.compile(pattern)
+            except re.error as err:
+                raise InputValueError(f"{where}: {pattern!r} is not a valid regular expression ({err}).") from None
+    names = [str(n) for n in names]
+    owner: dict[str, str] = {}
+    for name in names:
+        hit = next((p for p, rx in compiled.items() if rx.search(name)), None)
+        if hit is None and "fallback" in values:
+            hit = "fallback"
+        if hit is not None:
+            owner[name] = hit
+    unmatched = [n for n in names if n not in owner]
+    if unmatched:
+        raise InputValueError(
+            f"{where}: trainable parameter(s) {unmatched[:5]}{' ...' if len(unmatched) > 5 else ''} match no regex "
+            f"of {sorted(compiled)} and there is no 'fallback' entry. Add \"fallback\": <norm>, or a regex that "
+            "matches them."
+        )
+    taken = set(owner.values())
+    for pattern, rx in compiled.items():
+        if pattern in taken:
+            continue
+        matched = [n for n in names if rx.search(n)]
+        why = (f"matches no trainable parameter (they are {names[:6]}{' ...' if len(names) > 6 else ''})"
+               if not matched else f"matches only parameters an earlier regex took ({matched[:3]})")
+        raise InputValueError(
+            f"{where}: the regex {pattern!r} {why}. Fix or remove it (regexes are re.search-ed against the trainable "
+            "parameter names, first match in the dict's order wins)."
+        )
+    group_of = {p: (p if p not in ("params", "names") else f"re:{p}") for p in values}  # per_group's own keywords
+    groups = {group_of[p]: (values[p], (lambda q: lambda name, leaf: owner.get(name) == q)(p))
+              for p in values if p in taken}
+    return per_group(params, names=names, **groups)
+
+
+def _clipping_norm(c: Any) -> float | PerGroup:
+    """The plan's clipping_norm: a finite float > 0, or a PerGroup (also from its ``to_dict`` data)."""
+    if isinstance(c, Mapping):
+        if set(c) != {"groups", "values"}:
+            raise InputValueError(
+                "DPPlan: clipping_norm as a dict must be the plain data of per-group norms, {'groups': [[path, "
+                f"group], ...], 'values': {{group: norm}}}} (what to_dict writes); got keys {sorted(map(str, c))}. For "
+                "parameter-name regex -> norm, build the PerGroup with opake_fx.plan.per_group_by_regex(params, "
+                "names, norms) (DPTrainer does it from TrainingArguments.clipping_norm)."
+            )
+        try:
+            c = PerGroup({tuple(path): group for path, group in c["groups"]}, dict(c["values"]))
+        except (TypeError, ValueError) as err:
+            raise InputValueError(f"DPPlan: clipping_norm's per-group data is malformed ({err}).") from None
+    if isinstance(c, PerGroup):
+        if not c.groups:
+            raise InputValueError("DPPlan: a per-group clipping_norm must assign at least one parameter leaf.")
+        bad = {g: v for g, v in c.values.items() if not (v > 0 and math.isfinite(v))}
+        if bad:
+            raise InputValueError(f"DPPlan: per-group clip norms must be finite and > 0; got {bad}.")
+        return c
+    v = check.real(c, "clipping_norm", "DPPlan", "the per-example clip norm, e.g. 1.0, or a PerGroup")
+    if not (v > 0 and math.isfinite(v)):
+        raise InputValueError(f"DPPlan: clipping_norm must be finite and > 0; got {v}.")
+    return v
+
+
+def _clipping_kwargs(mode: str, given: Any, batch_size: float) -> dict[str, float]:
+    """The clipping mode's options, checked and filled in with their defaults (sorted by name)."""
+    given = {} if given is None else given
+    if not isinstance(given, Mapping):
+        raise InputTypeError(f"DPPlan: clipping_kwargs must be a dict (or None); got {type(given).__name__}.")
+    allowed = CLIPPING_KWARGS[mode]
+    unknown = sorted(str(k) for k in set(given) - set(allowed))
+    if unknown:
+        takes = sorted(allowed) if allowed else "none"
+        raise InputValueError(
+            f"DPPlan: clipping_kwargs {unknown} do not apply to clipping_mode={mode!r}, which takes {takes}."
+        )
+    out = {**allowed, **given}
+    where = f"DPPlan(clipping_mode={mode!r})"
+    if mode == "auto":
+        out["gamma"] = check.non_negative(out["gamma"], "clipping_kwargs['gamma']", where,
+                                          "AUTO-S's stability constant (Bu et al. use 0.01).")
+    elif mode == "adaptive":
+        if out["count_noise_multiplier"] is None:
+            out["count_noise_multiplier"] = batch_size / 20.0
+        out["target_quantile"] = check.interval(out["target_quantile"], "clipping_kwargs['target_quantile']", where,
+                                                0.0, 1.0, low_open=True, high_open=True,
+                                                hint="A fraction, e.g. 0.5 for the median gradient norm.")
+        out["learning_rate"] = check.positive(out["learning_rate"], "clipping_kwargs['learning_rate']", where,
+                                              "The step of the geometric norm update; Andrew et al. use 0.2.")
+        out["count_noise_multiplier"] = check.non_negative(
+            out["count_noise_multiplier"], "clipping_kwargs['count_noise_multiplier']", where,
+            "The std of the clipped count's noise, in counts (default batch_size / 20).")
+    return dict(sorted(out.items()))
+
+
+def _synced_counts(stage: Any) -> Any:
+    """An adaptive clip stage that ``sync``-s its state after each step (the count summed over ranks).
+
+    In one process ``sync`` is the identity. The state may be wrapped (``augmult``'s
+    ``AugmultState``, ``ClipStageState``): the adaptive state inside is synced.
+    """
+    from opake_fx.distributed import sync
+    from opake_fx.transforms import Transform
+
+    def synced(state: Any) -> Any:
+        inner = getattr(state, "clip_state", None)
+        if inner is not None and dataclasses.is_dataclass(state):
+            return dataclasses.replace(state, clip_state=synced(inner))
+        return sync(state)
+
+    def update(x: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
+        out, new_state = stage.update(x, state, params, **extra)
+        return out, synced(new_state)
+
+    return Transform(stage.init, update, stage.privacy)
 
 
 class _Offset:
