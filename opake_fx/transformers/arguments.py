@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,8 @@ CLIPPING_MODES = ("fixed", "adaptive", "auto")
 # The plan fields DPTrainer sets from the arguments; sampling_kwargs and the mechanism's kwargs may set the others
 # (today: bands, max_batch_size; whatever DPPlan grows later passes through).
 MAPPED_PLAN_FIELDS = ("dataset_size", "batch_size", "sample_rate", "steps", "epochs", "clipping_norm", "target_epsilon",
-                      "delta", "noise_multiplier", "sampling", "mechanism", "clip_backend", "accountant_kind")
+                      "delta", "noise_multiplier", "sampling", "mechanism", "clip_backend", "accountant_kind",
+                      "clipping_mode", "clipping_kwargs")
 
 
 def _plan_options() -> list[str]:
@@ -64,13 +66,32 @@ class TrainingArguments(transformers.TrainingArguments):
         privacy_noise_multiplier: sigma, given instead of a target. ``0`` is the explicit
             non-private baseline: epsilon = inf, reported as such.
         clipping_norm: the per-example L2 clip norm C (``math.inf``: no clipping, only
-            with ``privacy_noise_multiplier=0``). A dict (per-group norms) is refused:
-            ``DPPlan`` carries one clip norm.
-        clipping_mode: ``"fixed"`` (the only one the plan supports today). ``"auto"``
-            (AUTO-S) is refused because ``DPPlan.pipeline`` builds the fixed clip stage
-            only; ``"adaptive"`` because its noised clipped-count release is not charged by
-            the plan's accountant. Both point to the stage-by-stage API.
-        clipping_kwargs: reserved for the adaptive/auto modes; must be empty with ``"fixed"``.
+            with ``privacy_noise_multiplier=0``), or a dict of per-group norms
+            ``{regex: C_g, ..., "fallback": C}``: each TRAINABLE parameter (the names of
+            ``make_functional(model, trainable_only=True)``, e.g.
+            ``base_model.model.transformer.h.0.attn.c_attn.lora_A.default.weight``) goes to
+            the first regex, in the dict's order, that ``re.search``-es its name, else to
+            ``"fallback"``; group g is clipped to ``C_g``. The noise is scaled to the total
+            sensitivity ``sqrt(sum_g C_g**2)`` over the groups that have parameters (an
+            unused ``"fallback"`` does not count); the accounting is that of the noise
+            multiplier, as for one norm. A regex that takes no trainable parameter, or a
+            parameter no regex matches without a ``"fallback"``, is an error at ``train()``.
+            Per-group norms go with ``clipping_mode="fixed"`` only.
+        clipping_mode: ``"fixed"`` (default), ``"auto"`` (AUTO-S, Bu et al. 2023: every
+            gradient is scaled to norm just under ``clipping_norm``; same sensitivity and
+            accounting as fixed clipping) or ``"adaptive"`` (Andrew et al. 2021: the norm
+            tracks a quantile of the gradient norms, starting at ``clipping_norm``; each
+            step also releases a noised clipped count, which the accountant charges with the
+            gradient as one Gaussian of effective multiplier
+            ``(sigma**-2 + (2 * count_noise_multiplier)**-2)**-1/2``; a target epsilon
+            calibrates sigma for both). Adaptive clipping needs
+            ``privacy_noise_mechanism="gaussian"`` (DP-FTRL's noise is scaled to one fixed
+            sensitivity for the run).
+        clipping_kwargs: the mode's options (``DPPlan``'s ``CLIPPING_KWARGS``): ``"auto"``:
+            ``gamma`` (default 0.01); ``"adaptive"``: ``target_quantile`` (0.5),
+            ``learning_rate`` (0.2, of the geometric norm update) and
+            ``count_noise_multiplier`` (the std of the count's noise in counts; default the
+            expected global batch / 20). ``"fixed"`` takes none.
         clip_backend: ``"auto"`` (default: exact fast clipping from layer activations where
             rules exist, an exact fallback elsewhere), ``"vmap"`` or ``"ghost"``.
         sampling_mode: ``"poisson"`` (default), ``"cyclic_poisson"`` (for ``band_mf``),
@@ -112,8 +133,10 @@ class TrainingArguments(transformers.TrainingArguments):
     privacy_noise_multiplier: float | None = field(
         default=None, metadata={"help": "Noise multiplier instead of a target (0: non-private baseline)."}
     )
-    clipping_norm: float = field(default=1.0, metadata={"help": "Per-example L2 clip norm."})
-    clipping_mode: str = field(default="fixed", metadata={"help": "fixed (adaptive, auto: not yet)."})
+    clipping_norm: float | dict = field(
+        default=1.0, metadata={"help": "Per-example L2 clip norm, or a dict regex -> norm with 'fallback' (per group)."}
+    )
+    clipping_mode: str = field(default="fixed", metadata={"help": "fixed, auto (AUTO-S) or adaptive."})
     clipping_kwargs: dict | None = field(default=None, metadata={"help": "Options of the clipping mode."})
     clip_backend: str = field(default="auto", metadata={"help": "auto, vmap or ghost."})
     sampling_mode: str = field(default="poisson", metadata={"help": "poisson, cyclic_poisson, b_min_sep, balls_in_bins, sequential."})
@@ -198,40 +221,27 @@ class TrainingArguments(transformers.TrainingArguments):
         if d is not None and not (_is_real(d) and 0 < d < 1):
             raise InputValueError(f"TrainingArguments: privacy_target_delta must be in (0, 1); got {d!r}.")
         c = self.clipping_norm
-        if isinstance(c, dict):
-            raise InputValueError(
-                "TrainingArguments: per-group clipping (clipping_norm as a dict of name regex -> norm) is not available "
-                "in DPTrainer yet: DPPlan's clipping_norm is one number and its pipeline builds one clip stage from it, "
-                "so the groups cannot reach the clipping. Give one float, or use opake_fx.dpsgd.clipping.per_group "
-                "with the stage-by-stage API (clip(..., clipping_norm=per_group(...)) and the Gaussian noise stage)."
-            )
-        if not (_is_real(c) and c > 0):
-            raise InputValueError(f"TrainingArguments: clipping_norm must be > 0 (or math.inf); got {c!r}.")
         non_private = nm is not None and nm == 0
-        if math.isinf(c) and not non_private:
+        _choice(self.clipping_mode, "clipping_mode", CLIPPING_MODES)
+        if isinstance(c, dict):
+            self._check_per_group_norms(c)
+        elif not (_is_real(c) and c > 0):
+            raise InputValueError(
+                f"TrainingArguments: clipping_norm must be > 0 (or math.inf), or a dict of parameter-name regex -> norm "
+                f"with a 'fallback' entry; got {c!r}."
+            )
+        elif math.isinf(c) and not non_private:
             raise InputValueError(
                 "TrainingArguments: clipping_norm=inf bounds nothing, so no noise makes the run private; it is only "
                 "allowed with privacy_noise_multiplier=0 (the non-private baseline)."
             )
-        _choice(self.clipping_mode, "clipping_mode", CLIPPING_MODES)
-        if self.clipping_mode == "auto":
+        elif math.isinf(c) and self.clipping_mode != "fixed":
             raise InputValueError(
-                "TrainingArguments: clipping_mode='auto' (AUTO-S) is not available in DPTrainer yet: DPPlan.pipeline "
-                "builds the fixed clip stage only. Use clipping_mode='fixed', or the stage-by-stage API "
-                "(opake_fx.dpsgd.clipping.auto_clip, same sensitivity and accounting as fixed clipping)."
+                f"TrainingArguments: clipping_norm=inf (no clipping) goes with clipping_mode='fixed' only; "
+                f"clipping_mode={self.clipping_mode!r} needs a finite clipping_norm (AUTO-S's scale, or adaptive "
+                "clipping's initial norm)."
             )
-        if self.clipping_mode == "adaptive":
-            raise InputValueError(
-                "TrainingArguments: clipping_mode='adaptive' is not available in DPTrainer: besides the gradient, "
-                "adaptive clipping releases a noised count of clipped examples at every step, which the plan's "
-                "accountant does not charge. Use clipping_mode='fixed', or the stage-by-stage API "
-                "(opake_fx.dpsgd.clipping.adaptive_clip, accounted with "
-                "opake_fx.dpsgd.accounting.adaptive_clipping_gaussian)."
-            )
-        if self.clipping_kwargs:
-            raise InputValueError(
-                f"TrainingArguments: clipping_kwargs={self.clipping_kwargs!r} has no meaning with clipping_mode='fixed'."
-            )
+        self._check_clipping_mode()
         _choice(self.clip_backend, "clip_backend", CLIP_BACKENDS)
         _choice(self.sampling_mode, "sampling_mode", SAMPLING_MODES)
         if self.sampling_mode == "sequential" and not non_private:
@@ -261,6 +271,57 @@ class TrainingArguments(transformers.TrainingArguments):
             raise InputValueError(
                 f"TrainingArguments: microbatch_size must be a positive int (examples per chunk of the clipped "
                 f"gradient) or None (the whole batch at once); got {mb!r}."
+            )
+
+    def _check_per_group_norms(self, norms: dict) -> None:
+        if not norms:
+            raise InputValueError(
+                "TrainingArguments: clipping_norm={} has no group; give {regex: norm, ..., 'fallback': norm} or one float."
+            )
+        for pattern, value in norms.items():
+            if not isinstance(pattern, str):
+                raise InputTypeError(
+                    f"TrainingArguments: clipping_norm's keys are parameter-name regexes (strings); got {pattern!r}."
+                )
+            if not (_is_real(value) and 0 < value < math.inf):
+                raise InputValueError(
+                    f"TrainingArguments: clipping_norm[{pattern!r}] must be a finite norm > 0; got {value!r}. "
+                    "(For no clipping at all, give clipping_norm=math.inf with privacy_noise_multiplier=0.)"
+                )
+            if pattern != "fallback":
+                try:
+                    re.compile(pattern)
+                except re.error as err:
+                    raise InputValueError(
+                        f"TrainingArguments: clipping_norm key {pattern!r} is not a valid regular expression ({err})."
+                    ) from None
+        if self.clipping_mode != "fixed":
+            raise InputValueError(
+                f"TrainingArguments: per-group clipping_norm (a dict) goes with clipping_mode='fixed' only; "
+                f"clipping_mode={self.clipping_mode!r} "
+                + ("scales every gradient to one norm" if self.clipping_mode == "auto" else "tracks one norm")
+                + ". Give one float clipping_norm, or clipping_mode='fixed'."
+            )
+
+    def _check_clipping_mode(self) -> None:
+        from opake_fx.plan import CLIPPING_KWARGS
+
+        mode, kwargs = self.clipping_mode, self.clipping_kwargs or {}
+        if not isinstance(kwargs, dict):
+            raise InputTypeError(f"TrainingArguments: clipping_kwargs must be a dict or None; got {type(kwargs).__name__}.")
+        unknown = sorted(str(k) for k in set(kwargs) - set(CLIPPING_KWARGS[mode]))
+        if unknown:
+            takes = sorted(CLIPPING_KWARGS[mode]) or "none"
+            raise InputValueError(
+                f"TrainingArguments: clipping_kwargs {unknown} do not apply to clipping_mode={mode!r}, which takes "
+                f"{takes}."
+            )
+        if mode == "adaptive" and self.privacy_noise_mechanism != "gaussian":
+            raise InputValueError(
+                f"TrainingArguments: clipping_mode='adaptive' needs privacy_noise_mechanism='gaussian'; DP-FTRL "
+                f"({self.privacy_noise_mechanism!r}) scales its correlated noise to one fixed sensitivity for the whole "
+                "run, and there is no accounting for the noised count released next to it. Use clipping_mode='fixed' "
+                "or 'auto' with DP-FTRL."
             )
 
     def _check_training_fields(self) -> None:

@@ -35,7 +35,7 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 from opake_fx.distributed import all_reduce, get_rank, get_world_size, is_distributed
 from opake_fx.errors import BudgetExceededError, InputTypeError, InputValueError
 from opake_fx.functional import FunctionalModel, make_functional, with_batch_dim
-from opake_fx.plan import DPPlan
+from opake_fx.plan import DPPlan, per_group_by_regex
 from opake_fx.random import fold_in, key
 from opake_fx.transforms import apply_updates
 from opake_fx.transformers import checkpoint as ckpt
@@ -155,11 +155,13 @@ class DPTrainer(transformers.Trainer):
         rank, world = get_rank(), get_world_size()
         resumed_meta = None if resume_from_checkpoint is None else _read_meta(resume_from_checkpoint, rank)
         seed = resumed_meta["seed"] if resumed_meta is not None else self._privacy_seed()
-        plan = self._build_plan(len(dataset), world)
+        fmodel, params = make_functional(model, trainable_only=True)
+        plan = self._build_plan(len(dataset), world, params, fmodel.param_names)
         self.privacy_plan = plan
         noise_key, sampler_key = fold_in(key(seed), 0), fold_in(key(seed), 1)
+        # adaptive clipping's count noise: its own key, the same on every rank
+        pipeline_keys = {"count_key": fold_in(key(seed), 2)} if plan.clipping_mode == "adaptive" else {}
         sampler = self._sampler(plan, dataset, sampler_key, rank, world)
-        fmodel, params = make_functional(model, trainable_only=True)
         optimizer = optimizer_from_args(args, plan.steps)
         losses = per_example_loss_fn(model, reduction=args.per_example_loss_reduction,
                                      label_smoothing=args.label_smoothing_factor,
@@ -171,7 +173,7 @@ class DPTrainer(transformers.Trainer):
             if keys not in pipelines:
                 pipelines[keys] = plan.pipeline(_loss_over(losses, fmodel, keys, plan.clip_backend), optimizer,
                                                 key=noise_key, model=fmodel, batch_argnums=tuple(range(1, len(keys) + 1)),
-                                                microbatch_size=args.clipping_chunk_size)
+                                                microbatch_size=args.clipping_chunk_size, **pipeline_keys)
             return pipelines[keys]
 
         non_private = plan.noise_multiplier == 0
@@ -249,6 +251,8 @@ class DPTrainer(transformers.Trainer):
                 last_loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
                 logs = {"loss": last_loss, "learning_rate": float(optimizer_lr(args, plan, step)),
                         "epsilon": self._spent_epsilon()}
+                if plan.clipping_mode == "adaptive":  # a function of the noised counts: released and accounted
+                    logs["clipping_norm"] = float(state["clip"].clipping_norm)
                 loss_sum, loss_count = 0.0, 0
                 self.log(logs, start_time)
             if self.control.should_evaluate:
@@ -313,10 +317,14 @@ class DPTrainer(transformers.Trainer):
                 seed = int(all_reduce(torch.tensor([seed], dtype=torch.int64), "sum")[0])
         return int(seed)
 
-    def _build_plan(self, n: int, world: int) -> DPPlan:
+    def _build_plan(self, n: int, world: int, params: Any, names: tuple[str, ...]) -> DPPlan:
+        """The run's plan; a per-group ``clipping_norm`` dict is matched against the trainable ``names``."""
         args = self.args
         length: dict[str, Any] = {"steps": int(args.max_steps)} if args.max_steps > 0 else {"epochs": float(args.num_train_epochs)}
-        clip = args.clipping_norm if math.isfinite(args.clipping_norm) else UNBOUNDED_CLIP
+        if isinstance(args.clipping_norm, dict):
+            clip: Any = per_group_by_regex(params, names, args.clipping_norm)
+        else:
+            clip = args.clipping_norm if math.isfinite(args.clipping_norm) else UNBOUNDED_CLIP
         extra = {**(args.sampling_kwargs or {}), **(args.privacy_noise_mechanism_kwargs or {})}
         sequential = args.sampling_mode == "sequential"
         if sequential and world > 1:
@@ -332,6 +340,8 @@ class DPTrainer(transformers.Trainer):
             mechanism=args.privacy_noise_mechanism,
             clip_backend=args.clip_backend,
             accountant_kind=args.privacy_accountant,
+            clipping_mode=args.clipping_mode,
+            clipping_kwargs=args.clipping_kwargs,
             **length,
             **extra,
         )

@@ -205,8 +205,9 @@ def _args(tmp_path, **kw):
     ({"privacy_target_epsilon": 3.0, "privacy_noise_multiplier": 1.0}, "both were given"),
     ({"privacy_target_epsilon": 3.0, "clipping_norm": math.inf}, "clipping_norm=inf"),
     ({"privacy_target_epsilon": 3.0, "sampling_mode": "sequential"}, "sequential"),
-    ({"privacy_target_epsilon": 3.0, "clipping_mode": "adaptive"}, "clipping_mode"),
-    ({"privacy_target_epsilon": 3.0, "clipping_norm": {"fallback": 1.0}}, "per-group"),
+    ({"privacy_target_epsilon": 3.0, "clipping_mode": "adaptive", "privacy_noise_mechanism": "band_mf"},
+     "clipping_mode"),
+    ({"privacy_target_epsilon": 3.0, "clipping_norm": {"fallback": math.inf}}, "clipping_norm"),
     ({"privacy_target_epsilon": -1.0}, "privacy_target_epsilon"),
     ({"privacy_target_epsilon": 3.0, "sampling_kwargs": {"nonsense": 1}}, "nonsense"),
 ])

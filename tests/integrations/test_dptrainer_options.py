@@ -71,12 +71,3 @@ def test_a_bad_microbatch_size_is_refused(tmp_path, bad):
     with pytest.raises(InputValueError, match="microbatch_size"):
         TrainingArguments(output_dir=str(tmp_path), privacy_target_epsilon=3.0, microbatch_size=bad, **hf.COMMON)
 
-
-@pytest.mark.parametrize("fields, match", [
-    ({"clipping_norm": {"lora_": 0.5, "fallback": 1.0}}, "clipping_norm is one number"),
-    ({"clipping_mode": "auto"}, "AUTO-S.*fixed clip stage only"),
-    ({"clipping_mode": "adaptive"}, "noised count.*does not charge"),
-])
-def test_settings_the_plan_cannot_carry_are_refused_with_the_reason(tmp_path, fields, match):
-    with pytest.raises(InputValueError, match=match):
-        TrainingArguments(output_dir=str(tmp_path), privacy_target_epsilon=3.0, **fields, **hf.COMMON)
