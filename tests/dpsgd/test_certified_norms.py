@@ -231,3 +231,96 @@ def test_norm_and_embedding_contributions_at_most_c_at_extreme_scales(backend, d
     if aux.num_nonfinite:  # only for gradients that are not finite in this dtype
         assert total == 0.0
     assert total <= 1.0
+
+
+# --- the float32 fast paths -------------------------------------------------------------
+
+
+def exact_row_sq(x: torch.Tensor) -> float:
+    from fractions import Fraction
+
+    return float(sum((Fraction(float(v)) ** 2 for v in x.double().flatten().tolist()), Fraction(0)))
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(
+    t=st.sampled_from([2, 4, 16]),
+    d=st.sampled_from([3, 64]),
+    spread=st.sampled_from([0.0, 1e-7, 1e-4, 1e-2, 1.0]),
+    scale=st.sampled_from([1e-30, 1e-20, 1e-3, 1.0, 1e15, 1e19]),
+    g_scale=st.sampled_from([1e-25, 1.0, 1e10]),
+    seed=st.integers(0, 2**16),
+)
+def test_float32_gram_bound_holds_for_every_example_it_keeps(t, d, spread, scale, g_scale, seed):
+    # The fast path's bound must hold for every example it does not hand to float64,
+    # whatever the cancellation, underflow or scale: those are the norms used as they are.
+    a = cancelling(t, d, scale, spread, seed, torch.float32)
+    g = alternating(t, 5, g_scale, seed, torch.float32)
+    rnd = torch.randn(t, 5, generator=torch.Generator().manual_seed(seed), dtype=torch.float32) * g_scale
+    for gg in (g, rnd):
+        sq, s, loose = cert._gram_sq_norms_float32(a[None, None], gg[None, None])
+        if bool(loose[0]):
+            continue
+        assert float(sq[0]) >= exact_sq_norm(a, gg)
+        assert float(sq[0]) <= float(s[0]) ** 2 * (1 + 1e-12)
+        # ...and what is kept is tight: within LOOSE of the computed value
+        full, _ = cert.gram_sq_norms(a[None, None], gg[None, None])
+        assert float(full[0]) == float(sq[0])
+
+
+def test_float32_gram_is_kept_on_ordinary_sequences_and_tight():
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(8, 1, 64, 128, generator=gen)
+    g = torch.randn(8, 1, 64, 384, generator=gen)
+    sq, s, loose = cert._gram_sq_norms_float32(a, g)
+    assert not bool(loose.any())  # no example needs float64 here
+    ref, _ = cert._gram_sq_norms_float64(a, g)  # tight to ~1e-12
+    ratio = sq / ref
+    assert bool((ratio >= 1.0 - 1e-9).all()) and bool((ratio <= 1.0 + cert.LOOSE).all())
+    print("float32 Gram over-estimate of the squared norm, max:", float(ratio.max() - 1.0))
+
+
+def test_float32_gram_hands_cancellation_to_float64():
+    a = cancelling(64, 64, 1.0, 1e-6, 3, torch.float32)
+    g = alternating(64, 5, 1.0, 3, torch.float32)
+    _, _, loose = cert._gram_sq_norms_float32(a[None, None], g[None, None])
+    assert bool(loose[0])  # the float32 bound is far above the tiny exact norm: recomputed
+    sq, s = cert.gram_sq_norms(a[None, None], g[None, None])
+    exact = exact_sq_norm(a, g)
+    assert exact <= float(sq[0]) <= exact + 1e-12 * float(s[0]) ** 2
+
+
+def test_non_ieee_float32_matmul_takes_the_float64_path():
+    gen = torch.Generator().manual_seed(1)
+    a, g = torch.randn(3, 1, 8, 16, generator=gen), torch.randn(3, 1, 8, 4, generator=gen)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")  # bf16 matmuls allowed: the float32 bound would not hold
+        assert not cert.float32_matmul_is_ieee(a.device)
+        sq, s = cert.gram_sq_norms(a, g)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    ref, ref_s = cert._gram_sq_norms_float64(a, g)
+    assert torch.equal(sq, ref) and torch.equal(s, ref_s)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(
+    n=st.sampled_from([512, 700, 1536, 2000]),
+    scale=st.sampled_from([1e-44, 1e-30, 1e-20, 1.0, 1e18, 1e19, 3e19]),
+    zeros=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_float32_row_sq_norms_are_upper_bounds(n, scale, zeros, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(3, n, generator=gen, dtype=torch.float64) * scale).to(torch.float32)
+    if zeros:
+        x[1] = 0.0
+    sq = cert.sq_norms(x)
+    for i in range(3):
+        exact = exact_row_sq(x[i])
+        if math.isinf(exact):
+            assert math.isinf(float(sq[i]))
+        else:
+            assert float(sq[i]) >= exact
+            assert float(sq[i]) <= exact * (1 + cert.LOOSE) + 1e-300

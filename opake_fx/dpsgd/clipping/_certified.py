@@ -12,7 +12,20 @@ on what rounding can hide (Higham, "Accuracy and Stability of Numerical Algorith
 relative error at most ``gamma_n = n u / (1 - n u)`` of the sum of absolute terms).
 
 The bounds below use only that standard model of floating point, never a particular
-summation order, so they hold on any device and any BLAS.
+summation order, so they hold on any device and any BLAS. Underflow is covered by an
+absolute term: a float32 operation whose result is subnormal errs by at most ``2**-150``
+(Higham, section 2.1), which :data:`TINY32` bounds per operation.
+
+float32 inputs take a fast path where it is sound: row sums and Gram matrices are
+formed in float32 (a float32 matmul is IEEE float32 only when torch's float32 matmul
+precision is ``"highest"`` and no TF32/bf16 shortcut is enabled:
+:func:`float32_matmul_is_ieee`; otherwise the float64 path is taken), and their rounding
+bound is added. The bound is rigorous but looser than float64's (about ``(d_in +
+d_out) u`` of a Gram-weighted triangle bound), so an example whose float32 bound is loose, above
+:data:`LOOSE` of its norm (crafted cancellation, extreme scales, non-finite values), is
+recomputed on the float64 path. Every example's norm is therefore an upper bound, and
+over-estimates by at most ``LOOSE`` relatively (measured on random sequences: about
+1e-4 of the squared norm).
 """
 
 from __future__ import annotations
@@ -31,6 +44,20 @@ _UNIT = {
 # float64 copy stays in cache.
 _CHUNK_ELEMS = 1 << 18
 
+#: Bound on the absolute error of one float32 operation whose result underflows (twice
+#: the half-spacing of float32's subnormals, for margin).
+TINY32 = 2.0**-149
+
+#: The float32 fast paths recompute, in float64, every example whose certified squared
+#: norm exceeds its computed value by more than this fraction.
+LOOSE = 1e-2
+
+# Row sums of squares in float32 are taken over segments of this many entries and the
+# segments summed in float64, so the float32 rounding bound is that of a short sum.
+_SEGMENT = 512
+# Squared row norms below this keep every float32 Gram entry and partial sum finite.
+_RANGE32 = 2.0**120
+
 
 def unit_roundoff(dtype: torch.dtype) -> float:
     """``u`` of ``dtype``: every rounded operation has relative error at most ``u``."""
@@ -45,18 +72,81 @@ def gamma(n: int, dtype: torch.dtype) -> float:
     return nu / (1.0 - nu)
 
 
+def float32_matmul_is_ieee(device: torch.device) -> bool:
+    """Whether a float32 matmul on ``device`` rounds as IEEE float32 (no TF32 / bf16 inputs).
+
+    Example:
+        >>> float32_matmul_is_ieee(torch.device("cpu"))  # torch's default settings
+        True
+    """
+    if torch.get_float32_matmul_precision() != "highest":
+        return False
+    if getattr(torch.backends, "fp32_precision", "none") not in ("none", "ieee"):
+        return False
+    if device.type == "cuda":
+        matmul = torch.backends.cuda.matmul
+        return not matmul.allow_tf32 and getattr(matmul, "fp32_precision", "none") in ("none", "ieee")
+    if device.type == "cpu":
+        mkldnn = getattr(torch.backends.mkldnn, "matmul", None)
+        return getattr(mkldnn, "fp32_precision", "none") in ("none", "ieee")
+    return False  # other devices: no known guarantee
+
+
 def sq_norms(x: torch.Tensor) -> torch.Tensor:
     """Upper bounds of the squared L2 norm of each row of ``x`` ``[B, ...]``, float64 ``[B]``.
 
-    The entries are taken as they are stored (the values a weighted sum will read): every
-    square of a float32 / bfloat16 / float16 value is exact in float64, and the float64
-    sum's rounding is covered by a ``(1 + gamma_{n+2})`` factor. float64 rows whose sum
-    of squares overflows are rescaled by their largest entry; the square of a norm above
+    The entries are taken as they are stored (the values a weighted sum will read). float32
+    rows are summed in float32 over segments of 512 entries and the segments in float64,
+    with the float32 rounding bound (and an underflow term) added; a row whose bound is
+    loose or not finite is recomputed on the float64 path. There, every square of a
+    float32 / bfloat16 / float16 value is exact in float64, and the float64 sum's
+    rounding is covered by a ``(1 + gamma_{n+2})`` factor. float64 rows whose sum of
+    squares overflows are rescaled by their largest entry; the square of a norm above
     ~1.3e154 is inf, which the engine treats as a non-finite example (weight 0).
+
+    Example:
+        >>> sq = sq_norms(torch.tensor([[3.0, 4.0], [0.0, 0.0]]))
+        >>> bool(sq[0] >= 25.0) and bool(sq[0] <= 25.0 * (1 + 1e-5)), float(sq[1])
+        (True, 0.0)
     """
     b = x.shape[0]
     x = x.reshape(b, -1)
-    n = x.shape[1]
+    if x.dtype == torch.float32 and x.shape[1] >= _SEGMENT and x.is_contiguous():
+        fast, loose = _sq_norms_float32(x)
+        if bool(loose.any()):
+            fast[loose] = _sq_norms_float64(x[loose])
+        return fast
+    return _sq_norms_float64(x)
+
+
+def _sq_norms_float32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Certified squared row norms of a float32 ``[b, n]`` from float32 segment sums, and
+    which rows to recompute (bound looser than :data:`LOOSE`, or not finite)."""
+    b, n = x.shape
+    k = n // _SEGMENT
+    head = x[:, : k * _SEGMENT].reshape(b, k, _SEGMENT)
+    parts = torch.linalg.vecdot(head, head).to(torch.float64)  # [b, k] float32 segment sums
+    # A segment of m squares summed in float32 is below the exact sum by at most gamma_m of
+    # it plus the underflow of m + 1 operations: exact <= (fl + (m + 2) TINY) (1 + 2 gamma_{m+2}).
+    factor = 1.0 + 2.0 * gamma(_SEGMENT + 2, torch.float32)
+    tiny = (_SEGMENT + 2) * TINY32
+    total = parts.sum(dim=1)
+    slack = k * tiny
+    if k * _SEGMENT < n:
+        rest = x[:, k * _SEGMENT:]
+        m = rest.shape[1]
+        r = torch.linalg.vecdot(rest, rest).to(torch.float64)
+        total = total + r * ((1.0 + 2.0 * gamma(m + 2, torch.float32)) / factor)
+        slack += (m + 2) * TINY32
+        k += 1
+    # (the float64 sum of k nonnegative terms and the products above: gamma_{k+4} in float64)
+    sq = (total * factor + slack) * (1.0 + gamma(k + 4, torch.float64))
+    loose = ~torch.isfinite(sq) | (sq - total > LOOSE * total)
+    return sq, loose
+
+
+def _sq_norms_float64(x: torch.Tensor) -> torch.Tensor:
+    b, n = x.shape
     if x.dtype == torch.float64:
         sq = torch.linalg.vecdot(x, x)
         bad = ~torch.isfinite(sq)
@@ -86,8 +176,93 @@ def gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch
     Returns:
         ``(sq, s)``, float64 ``[b]`` each: ``sq`` is an upper bound of the exact squared
         norm of the per-example weight gradient of the stored ``a`` and ``g``; ``s`` is
-        ``sum_{G,t} |a_t| |g_t|`` (rounded up), an upper bound of the norm itself
+        an upper bound of ``sum_{G,t} |a_t| |g_t|``, itself an upper bound of the norm
         (triangle inequality) that also bounds the rounding of sums over positions.
+
+    float32 inputs (with IEEE float32 matmuls) take :func:`_gram_sq_norms_float32`; the
+    examples it leaves loose, and every other input, take :func:`_gram_sq_norms_float64`.
+
+    Example:
+        >>> a = torch.tensor([[[[1.0, 0.0], [0.0, 1.0]]]])  # one example, T = 2, d_in = 2
+        >>> g = torch.tensor([[[[2.0], [2.0]]]])            # d_out = 1: dW = [2, 2]
+        >>> sq, s = gram_sq_norms(a, g)
+        >>> bool(8.0 <= sq[0] <= 8.0 * (1 + 1e-4)), bool(s[0] >= 4.0)
+        (True, True)
+    """
+    if a.dtype == torch.float32 and g.dtype == torch.float32 and float32_matmul_is_ieee(a.device):
+        sq, s, loose = _gram_sq_norms_float32(a, g)
+        if bool(loose.any()):
+            sq[loose], s[loose] = _gram_sq_norms_float64(a[loose], g[loose])
+        return sq, s
+    return _gram_sq_norms_float64(a, g)
+
+
+def _row_sq_upper32(fl: torch.Tensor, d: int) -> torch.Tensor:
+    """Upper bounds (float64) of squared row norms from their float32 dot products ``fl``
+    over ``d`` entries: ``(fl + (d + 2) TINY) (1 + 2 gamma_{d+2})``."""
+    return (fl.to(torch.float64) + (d + 2) * TINY32) * (
+        (1.0 + 2.0 * gamma(d + 2, torch.float32)) * (1.0 + gamma(4, torch.float64)))
+
+
+def _gram_sq_norms_float32(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sq, s, loose)``: the certified norms from float32 Gram matrices, and which examples
+    to recompute in float64 (bound above :data:`LOOSE` of the value, or out of range).
+
+    With ``A = a a^T`` and ``H = g g^T`` rounded in float32 (``Â``, ``Ĥ``), each entry errs by
+    at most ``e^A_ts = gamma_A alpha_ts + eps_A`` with ``alpha_ts = |a_t| |a_s|``,
+    ``gamma_A = gamma_{d_in+2}`` and ``eps_A = (d_in + 2) TINY`` (underflow); likewise
+    ``e^H_ts`` with ``beta_ts = |g_t| |g_s|``. Products of float32 values are exact in
+    float64, where ``p = sum Â Ĥ`` is summed. Since ``ÂĤ - AH = (Â - A) Ĥ + A (Ĥ - H)`` and
+    ``|A| <= |Â| + e^A``::
+
+        |p - sum A H| <= gamma_A sum alpha |Ĥ| + gamma_H sum |Â| beta + eps_A sum |Ĥ|
+                         + eps_H sum |Â| + sum e^A e^H + gamma_{G T^2 + 2} sum |Â Ĥ|
+
+    (the last term: the float64 sum; ``sum |ÂĤ| <= s^2 + `` the rest). The quadratic forms
+    ``sum alpha |Ĥ| = |a|^T |Ĥ| |a|`` use the computed Grams, so the bound is far below
+    ``(gamma_A + gamma_H) s^2`` when positions are not aligned (random sequences: about
+    1e-4 of the squared norm). Row norms are the Grams' diagonals with their own bound
+    (:func:`_row_sq_upper32`); rows whose squared norm could push a Gram entry past
+    float32's range are out of range.
+    """
+    b, groups, t = a.shape[0], a.shape[1], a.shape[2]
+    d_in, d_out = a.shape[3], g.shape[3]
+    a3, g3 = a.reshape(b * groups, t, d_in), g.reshape(b * groups, t, d_out)
+    aa = torch.bmm(a3, a3.transpose(1, 2))
+    gg = torch.bmm(g3, g3.transpose(1, 2))
+    # The Grams' diagonals are the rows' float32 dot products: their squared norms, with the same bound.
+    na2 = _row_sq_upper32(aa.diagonal(dim1=1, dim2=2), d_in)  # [b G, T]
+    ng2 = _row_sq_upper32(gg.diagonal(dim1=1, dim2=2), d_out)
+    out_of_range = ~(na2.view(b, -1).amax(1) < _RANGE32) | ~(ng2.view(b, -1).amax(1) < _RANGE32)  # (NaN too)
+    up = 1.0 + 2.0**-50  # sqrt and products of these few float64 values
+    na, ng = na2.sqrt() * up, ng2.sqrt() * up
+    aa64, gg64 = aa.to(torch.float64), gg.to(torch.float64)
+    p = torch.linalg.vecdot(aa64.view(b, -1), gg64.view(b, -1))
+    abs_a, abs_g = aa64.abs_(), gg64.abs_()  # (p is formed: the copies can be overwritten)
+    q_ag = torch.bmm(abs_g, na.unsqueeze(2)).view(b * groups, t)  # |Ĥ| |a|
+    q_ga = torch.bmm(abs_a, ng.unsqueeze(2)).view(b * groups, t)  # |Â| |g|
+    form_a = torch.linalg.vecdot(na, q_ag).view(b, groups).sum(1)  # sum alpha |Ĥ|
+    form_g = torch.linalg.vecdot(ng, q_ga).view(b, groups).sum(1)  # sum |Â| beta
+    sum_abs_a, sum_abs_g = abs_a.view(b, -1).sum(1), abs_g.view(b, -1).sum(1)
+    slack = (1.0 + gamma(t * t + 2 * t + groups + 8, torch.float64)) * up  # rounding of these float64 sums
+    na, ng = na.view(b, groups, t), ng.view(b, groups, t)
+    s_group = (na * ng).sum(dim=2)  # [b, G]
+    s_sq = s_group.square().sum(dim=1) * slack**2  # sum alpha beta
+    sa_sq = na.sum(dim=2).square().sum(dim=1) * slack**2  # sum alpha
+    sg_sq = ng.sum(dim=2).square().sum(dim=1) * slack**2  # sum beta
+    ga, gh = gamma(d_in + 2, torch.float32), gamma(d_out + 2, torch.float32)
+    ea, eh = (d_in + 2) * TINY32, (d_out + 2) * TINY32
+    cross = ga * gh * s_sq + ga * eh * sa_sq + ea * gh * sg_sq + groups * t * t * ea * eh  # sum e^A e^H
+    err = (ga * form_a + gh * form_g + ea * sum_abs_g + eh * sum_abs_a) * slack + cross
+    err = (err + gamma(groups * t * t + 2, torch.float64) * (s_sq + err)) * 1.01  # the float64 sum; margin
+    sq = torch.minimum((p + err).clamp_min(0.0), s_sq)
+    s = s_group.sum(dim=1) * slack
+    loose = out_of_range | ~torch.isfinite(sq) | ~(err <= LOOSE * p)
+    return sq, s, loose
+
+
+def _gram_sq_norms_float64(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 path of :func:`gram_sq_norms` (same arguments and results).
 
     The Gram products are evaluated in float64, where the products of float32 inputs are
     exact and cannot overflow. With ``A = a a^T``, ``H = g g^T`` and ``r_ts = |a_t| |a_s|
