@@ -211,7 +211,8 @@ def privacy_report(
             sens = _effective(info.max_norm)
             clip_sens = sens
             note = "per-example clipping: sensitivity max_norm (add-or-remove-one)" + (
-                "; known per step (adaptive)" if sens is None else ""
+                "; known per step (adaptive; its noised count also costs privacy: no epsilon is reported, account "
+                "with adaptive_clipping_gaussian or DPPlan)" if sens is None else ""
             )
         elif info.kind == "aggregate":
             note = "sum over ranks: each example lives on one rank, sensitivity unchanged"
@@ -237,13 +238,19 @@ def privacy_report(
     epsilon: float | None
     if not private:
         epsilon = math.inf
-    elif mechanism == "gaussian" and None not in (sample_rate, steps, delta):
+    elif mechanism == "gaussian" and _sensitivity_known(flat) and None not in (sample_rate, steps, delta):
         import opake_fx.dpsgd.accounting as dpsgd_acc  # lazily: accounting is optional for a report
 
         epsilon = (dpsgd_acc.poisson(dpsgd_acc.gaussian(nm), sample_rate) * steps).epsilon_at(delta)
     else:
         epsilon = None
     return PrivacyReport(tuple(rows), private, clip_sens, nm, mechanism, epsilon, delta)
+
+
+def _sensitivity_known(flat: Sequence[tuple[str, StagePrivacy | None]]) -> bool:
+    """False when a clip stage's sensitivity is only known per step (adaptive clipping, whose count the
+    Gaussian epsilon would leave out)."""
+    return all(info.max_norm is not None for _, info in flat if info is not None and info.kind == "clip")
 
 
 def _effective(max_norm: Any) -> float | None:

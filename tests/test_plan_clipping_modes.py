@@ -193,6 +193,9 @@ def test_adaptive_clip_norm_moves_and_the_noise_follows_it():
     updates, _ = zero.update((torch.zeros(3, 2 * D),), zstate, params)
     expected = plan.noise_multiplier * norms[-1] / plan.batch_size
     assert float(torch.cat(updates).std()) == pytest.approx(expected, rel=5 / math.sqrt(4 * D))
+    # the pipeline's own report does not give the gradient-only epsilon, which would leave the count out
+    report = pipe.privacy_report(sample_rate=plan.sample_rate, steps=plan.steps, delta=plan.delta)
+    assert report.private and report.epsilon is None and plan.epsilon() > _plan().epsilon()
     with pytest.raises(InputValueError, match="needs count_key"):
         plan.pipeline(_linear, sgd(1.0), key=key(7), batch_argnums=(1,))
     with pytest.raises(InputValueError, match="count_key=...\\) applies to clipping_mode='adaptive' only"):
