@@ -10,6 +10,7 @@ that name the field to change.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -76,7 +77,8 @@ class TrainingArguments(transformers.TrainingArguments):
             unused ``"fallback"`` does not count); the accounting is that of the noise
             multiplier, as for one norm. A regex that takes no trainable parameter, or a
             parameter no regex matches without a ``"fallback"``, is an error at ``train()``.
-            Per-group norms go with ``clipping_mode="fixed"`` only.
+            Per-group norms go with ``clipping_mode="fixed"`` only. A string is read as JSON
+            (a number, or the dict), as a config file or ``HfArgumentParser`` gives it.
         clipping_mode: ``"fixed"`` (default), ``"auto"`` (AUTO-S, Bu et al. 2023: every
             gradient is scaled to norm just under ``clipping_norm``; same sensitivity and
             accounting as fixed clipping) or ``"adaptive"`` (Andrew et al. 2021: the norm
@@ -133,8 +135,10 @@ class TrainingArguments(transformers.TrainingArguments):
     privacy_noise_multiplier: float | None = field(
         default=None, metadata={"help": "Noise multiplier instead of a target (0: non-private baseline)."}
     )
-    clipping_norm: float | dict = field(
-        default=1.0, metadata={"help": "Per-example L2 clip norm, or a dict regex -> norm with 'fallback' (per group)."}
+    # float first: HfArgumentParser parses the command line's value as a float (it accepts a Union with str)
+    clipping_norm: float | str | dict = field(
+        default=1.0,
+        metadata={"help": "Per-example L2 clip norm, or a dict (or its JSON) regex -> norm with 'fallback' (per group)."},
     )
     clipping_mode: str = field(default="fixed", metadata={"help": "fixed, auto (AUTO-S) or adaptive."})
     clipping_kwargs: dict | None = field(default=None, metadata={"help": "Options of the clipping mode."})
@@ -221,6 +225,15 @@ class TrainingArguments(transformers.TrainingArguments):
         if d is not None and not (_is_real(d) and 0 < d < 1):
             raise InputValueError(f"TrainingArguments: privacy_target_delta must be in (0, 1); got {d!r}.")
         c = self.clipping_norm
+        if isinstance(c, str):  # JSON, as a config file or a command line gives it
+            try:
+                c = json.loads(c)
+            except ValueError:
+                raise InputValueError(
+                    f"TrainingArguments: clipping_norm={c!r} is a string but not JSON; give a number, or "
+                    "'{\"regex\": norm, ..., \"fallback\": norm}' for per-group norms."
+                ) from None
+            self.clipping_norm = c
         non_private = nm is not None and nm == 0
         _choice(self.clipping_mode, "clipping_mode", CLIPPING_MODES)
         if isinstance(c, dict):

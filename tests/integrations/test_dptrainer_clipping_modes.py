@@ -161,6 +161,17 @@ def test_bad_clipping_fields_are_refused_naming_the_field_and_the_fix(tmp_path, 
         _args(tmp_path, **fields)
 
 
+def test_the_arguments_still_build_a_command_line_parser_and_take_per_group_norms_as_json(tmp_path):
+    parser = transformers.HfArgumentParser(TrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--privacy_target_epsilon", "3",
+                                                  "--clipping_norm", "0.5", "--report_to", "none"])
+    assert args.clipping_norm == 0.5
+    as_json = _args(tmp_path, clipping_norm='{"lora_A": 0.5, "fallback": 1.0}')
+    assert as_json.clipping_norm == {"lora_A": 0.5, "fallback": 1.0}
+    with pytest.raises(InputValueError, match="clipping_norm='lora: 1' is a string but not JSON"):
+        _args(tmp_path, clipping_norm="lora: 1")
+
+
 def test_adaptive_clipping_kwargs_out_of_range_are_refused_by_the_plan_at_train(tmp_path):
     with pytest.raises(InputValueError, match=r"clipping_kwargs\['count_noise_multiplier'\]=0.01 is too small"):
         _train(tmp_path, clipping_mode="adaptive", clipping_kwargs={"count_noise_multiplier": 0.01})
