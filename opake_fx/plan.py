@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -433,8 +434,9 @@ class DPPlan:
                     "DPPlan(clipping_mode='adaptive').pipeline needs count_key=key(...): the key of the clipped "
                     "count's noise (the same on every rank; not the noise key, not the sampler key)."
                 )
-            factory: Callable[..., Any] = adaptive_clip
-            clip_args.update(initial_clipping_norm=self.clipping_norm, key=count_key,
+            # the count key is bound here: augmult's own keyword `key` is the augmentation key
+            factory: Callable[..., Any] = functools.partial(adaptive_clip, key=count_key)
+            clip_args.update(initial_clipping_norm=self.clipping_norm,
                              count_noise_multiplier=kw["count_noise_multiplier"],
                              target_quantile=kw["target_quantile"], learning_rate=kw["learning_rate"],
                              expected_batch_size=self.batch_size)

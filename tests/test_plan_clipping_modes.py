@@ -105,6 +105,33 @@ def test_a_dpftrl_plan_takes_per_group_norms_at_their_total_sensitivity():
     assert float(a[0].std()) > 0
 
 
+def test_auto_s_goes_with_dpftrl_at_fixed_clippings_noise_and_epsilon():
+    mf = dict(dataset_size=1000, batch_size=25, steps=40, noise_multiplier=1.0, delta=1e-5, mechanism="band_mf",
+              bands=4, sampling="cyclic_poisson", clipping_norm=2.0)
+    auto, fixed = DPPlan(**mf, clipping_mode="auto"), DPPlan(**mf)
+    assert auto.epsilon() == fixed.epsilon() and auto.step_cost_at(0) == fixed.step_cost_at(0)
+    a, _ = _released(auto, _zero, torch.zeros(2, 2 * D))  # AUTO-S maps a zero gradient to zero (gamma > 0)
+    b, _ = _released(fixed, _zero, torch.zeros(2, 2 * D))
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_augmult_plans_take_the_clipping_modes_too():
+    def shift(keys, x):  # a per-example augmentation that leaves the example as it is
+        return x
+
+    x = torch.zeros(2, 2 * D)
+    x[0, :D] = 1e6
+    x[0, D] = 0.5
+    plan = _plan(clipping_norm=_groups(), noise_multiplier=0.0, augmult=2)
+    (w, b), _ = _released(plan, _linear, x, augment=shift, augment_key=key(9))
+    assert C_W * (1 - 1e-6) < float(w.double().norm()) * plan.batch_size <= C_W
+    assert float(b[0]) * plan.batch_size == pytest.approx(0.5, rel=1e-6)
+    adaptive = _plan(clipping_mode="adaptive", augmult=2)
+    (_, _), state = _released(adaptive, _linear, x, augment=shift, augment_key=key(9), count_key=key(8))
+    assert state["clip"].clip_state.clipping_norm != 1.0  # the adaptive state inside augmult's moved
+
+
 def test_per_group_by_regex_matches_names_first_regex_wins_and_names_its_errors():
     params = (torch.zeros(1), torch.zeros(1), torch.zeros(1))
     names = ["h.0.attn.weight", "h.0.attn.bias", "lm_head.weight"]
