@@ -306,7 +306,7 @@ def test_non_ieee_float32_matmul_takes_the_float64_path():
 
 @settings(max_examples=examples(60), deadline=None)
 @given(
-    n=st.sampled_from([512, 700, 1536, 2000]),
+    n=st.sampled_from([1, 5, 64, 512, 700, 1536, 2000]),
     scale=st.sampled_from([1e-44, 1e-30, 1e-20, 1.0, 1e18, 1e19, 3e19]),
     zeros=st.booleans(),
     seed=st.integers(0, 2**16),

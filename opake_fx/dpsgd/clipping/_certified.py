@@ -96,7 +96,8 @@ def sq_norms(x: torch.Tensor) -> torch.Tensor:
     """Upper bounds of the squared L2 norm of each row of ``x`` ``[B, ...]``, float64 ``[B]``.
 
     The entries are taken as they are stored (the values a weighted sum will read). float32
-    rows are summed in float32 over segments of 512 entries and the segments in float64,
+    rows (512 entries or more, or many short rows) are summed in float32 over segments of
+    (up to) 512 entries and the segments in float64,
     with the float32 rounding bound (and an underflow term) added; a row whose bound is
     loose or not finite is recomputed on the float64 path. There, every square of a
     float32 / bfloat16 / float16 value is exact in float64, and the float64 sum's
@@ -111,7 +112,8 @@ def sq_norms(x: torch.Tensor) -> torch.Tensor:
     """
     b = x.shape[0]
     x = x.reshape(b, -1)
-    if x.dtype == torch.float32 and x.shape[1] >= _SEGMENT and x.is_contiguous():
+    n = x.shape[1]
+    if x.dtype == torch.float32 and x.is_contiguous() and (n >= _SEGMENT or (n > 0 and b * n >= _CHUNK_ELEMS)):
         fast, loose = _sq_norms_float32(x)
         if bool(loose.any()):
             fast[loose] = _sq_norms_float64(x[loose])
@@ -123,26 +125,34 @@ def _sq_norms_float32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Certified squared row norms of a float32 ``[b, n]`` from float32 segment sums, and
     which rows to recompute (bound looser than :data:`LOOSE`, or not finite)."""
     b, n = x.shape
-    k = n // _SEGMENT
-    head = x[:, : k * _SEGMENT].reshape(b, k, _SEGMENT)
+    seg = min(_SEGMENT, n)
+    k = n // seg
+    head = x[:, : k * seg].reshape(b, k, seg)
     parts = torch.linalg.vecdot(head, head).to(torch.float64)  # [b, k] float32 segment sums
     # A segment of m squares summed in float32 is below the exact sum by at most gamma_m of
-    # it plus the underflow of m + 1 operations: exact <= (fl + (m + 2) TINY) (1 + 2 gamma_{m+2}).
-    factor = 1.0 + 2.0 * gamma(_SEGMENT + 2, torch.float32)
-    tiny = (_SEGMENT + 2) * TINY32
-    total = parts.sum(dim=1)
+    # it plus the underflow of m + 1 operations: exact <= (fl + (m + 2) TINY) / (1 - gamma_{m+2}).
+    factor = _inverse_margin(seg)
+    tiny = (seg + 2) * TINY32
+    total = parts.sum(dim=1) if k > 1 else parts.view(b)
     slack = k * tiny
-    if k * _SEGMENT < n:
-        rest = x[:, k * _SEGMENT:]
+    if k * seg < n:
+        rest = x[:, k * seg:]
         m = rest.shape[1]
         r = torch.linalg.vecdot(rest, rest).to(torch.float64)
-        total = total + r * ((1.0 + 2.0 * gamma(m + 2, torch.float32)) / factor)
+        total = total + r * (_inverse_margin(m) / factor)
         slack += (m + 2) * TINY32
         k += 1
     # (the float64 sum of k nonnegative terms and the products above: gamma_{k+4} in float64)
     sq = (total * factor + slack) * (1.0 + gamma(k + 4, torch.float64))
     loose = ~torch.isfinite(sq) | (sq - total > LOOSE * total)
     return sq, loose
+
+
+def _inverse_margin(m: int) -> float:
+    """``1 / (1 - gamma_{m+2})`` in float32, rounded up: what a float32 sum of ``m`` squares
+    (relative error at most ``gamma_{m+2}`` below) is multiplied by to bound the exact sum."""
+    g = gamma(m + 2, torch.float32)
+    return 1.0 + g / (1.0 - g) * (1.0 + 1e-12)
 
 
 def _sq_norms_float64(x: torch.Tensor) -> torch.Tensor:
@@ -199,9 +209,8 @@ def gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def _row_sq_upper32(fl: torch.Tensor, d: int) -> torch.Tensor:
     """Upper bounds (float64) of squared row norms from their float32 dot products ``fl``
-    over ``d`` entries: ``(fl + (d + 2) TINY) (1 + 2 gamma_{d+2})``."""
-    return (fl.to(torch.float64) + (d + 2) * TINY32) * (
-        (1.0 + 2.0 * gamma(d + 2, torch.float32)) * (1.0 + gamma(4, torch.float64)))
+    over ``d`` entries: ``(fl + (d + 2) TINY) / (1 - gamma_{d+2})``."""
+    return (fl.to(torch.float64) + (d + 2) * TINY32) * (_inverse_margin(d) * (1.0 + gamma(4, torch.float64)))
 
 
 def _gram_sq_norms_float32(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
