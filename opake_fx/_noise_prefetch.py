@@ -54,9 +54,13 @@ def prefetch_by_default(leaves: Sequence[torch.Tensor]) -> bool:
     """Whether ``prefetch=None`` (auto) draws ahead for these leaves.
 
     On when every leaf is on the CPU, the noise has at least :data:`PREFETCH_MIN_VALUES`
-    values and the process may run on at least two cores (a background draw on a single
-    core only competes with the step). CUDA leaves draw ahead only with ``prefetch=True``
-    until a GPU measurement shows the side stream helps (``benchmarks/gpu_check.py``).
+    values and the process may run on more cores than torch's intra-op threads use (a
+    core left for the background draw). Where torch's threads take every core, the draw
+    competes with the step's own kernels: on 2 cores with 2 torch threads, an idle-machine
+    run measured the embedding-bag step 12.1 ms in place against 14.0 ms drawn ahead, and
+    the LM step 45.1 against 46.4 ms (docs/performance.md), so auto draws in place there.
+    CUDA leaves draw ahead only with ``prefetch=True`` until a GPU measurement shows the
+    side stream helps (``benchmarks/gpu_check.py``).
 
     Example:
         >>> prefetch_by_default([torch.zeros(10)])  # too small to pay for the hand-off
@@ -66,7 +70,7 @@ def prefetch_by_default(leaves: Sequence[torch.Tensor]) -> bool:
         return False
     if sum(leaf.numel() for leaf in leaves) < PREFETCH_MIN_VALUES:
         return False
-    return _usable_cores() >= 2
+    return _usable_cores() > torch.get_num_threads()
 
 
 class NoisePrefetcher:

@@ -91,6 +91,22 @@ def test_auto_draws_ahead_only_for_large_cpu_draws() -> None:
     assert auto.pending == prefetch_by_default(large)
 
 
+def test_auto_draws_ahead_only_with_a_core_left_over_by_torch() -> None:
+    import os
+
+    large = [torch.zeros(PREFETCH_MIN_VALUES)]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(cores)  # torch's threads take every core: the draw would compete
+        assert not prefetch_by_default(large)
+        if cores >= 2:
+            torch.set_num_threads(cores - 1)  # one core left for the background draw
+            assert prefetch_by_default(large)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_enabled_must_be_a_bool_or_none() -> None:
     with pytest.raises(InputValueError, match="prefetch must be True, False or None"):
         NoisePrefetcher(enabled=1)  # type: ignore[arg-type]
@@ -218,12 +234,17 @@ def test_a_forked_child_draws_its_own_noise_and_does_not_hang() -> None:
 
 def test_auto_stops_drawing_ahead_when_the_stddev_changes_every_step() -> None:
     large = [torch.zeros(PREFETCH_MIN_VALUES)]
-    if not prefetch_by_default(large):
-        pytest.skip("auto never draws ahead on one core")
-    auto = NoisePrefetcher(enabled=None)
-    for step, std in enumerate([1.0, 0.9, 0.8, 0.7, 0.6]):  # an adaptive clip norm
-        got, _ = auto.normals(key(0), step, large, std)
-        assert _same(got, flat_tree_normal(fold_in(key(0), step), large, stddev=std)[0])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # leave a core for the background draw, where there is one
+    try:
+        if not prefetch_by_default(large):
+            pytest.skip("auto never draws ahead on one core")
+        auto = NoisePrefetcher(enabled=None)
+        for step, std in enumerate([1.0, 0.9, 0.8, 0.7, 0.6]):  # an adaptive clip norm
+            got, _ = auto.normals(key(0), step, large, std)
+            assert _same(got, flat_tree_normal(fold_in(key(0), step), large, stddev=std)[0])
+    finally:
+        torch.set_num_threads(before)
     assert auto.hits == 0 and not auto.pending  # two unused draws, then none started
     forced = NoisePrefetcher(enabled=True)
     for step, std in enumerate([1.0, 0.9, 0.8]):
