@@ -12,7 +12,8 @@ clipping at C = 1, Gaussian noise with multiplier 1), SGD update.
 * ``opake-auto``   — ``clipped_grad(..., clip_backend="auto", model=fmodel)`` (batched loss).
 * ``opake-auto-sync`` — the same with the noise drawn in line (``prefetch=False``): the
   difference to ``opake-auto`` is what drawing the next step's noise in the background
-  (on by default for CPU draws of 2**18 values or more) saves. ``opake-auto-ahead``
+  (by default for CPU draws of 2**18 values or more when torch's threads leave a core
+  free; on 2 cores with 2 threads it draws in place, like ``-sync``) saves. ``opake-auto-ahead``
   (``prefetch=True``, not in the default list) draws ahead whatever the size or device:
   on CUDA, the side stream.
 * ``opake-auto+randn`` — the same clipping, with the noise drawn by ``torch.randn`` from a
