@@ -14,7 +14,7 @@ of steps, and reports the accuracy on a held-out private test split and the epsi
    distribution and another task: background tokens from a skewed (not uniform)
    distribution over ids 10..63, each of EIGHT keywords (ids 2..9) present with
    probability 0.3, and a multi-label target (which keywords does the sequence hold?).
-   A fresh 2-way head then goes on the public encoder and ``DPTrainer`` fine-tunes it on
+   A fresh 2-way classifier then goes on the public encoder and ``DPTrainer`` fine-tunes it on
    the private data (``--trainable``: ``head`` = pooler + classifier, ``top`` = + the
    last layer, ``all``). Public and private data share no example; the private test
    split is never trained on. The private task is not the public one: in the private
@@ -80,7 +80,7 @@ import torch
 
 VOCAB, SEQ = 64, 16
 PRIVATE_KEYWORDS = range(2, 6)  # the private task: does the sequence hold one of these?
-PUBLIC_KEYWORDS = range(2, 10)  # the public task: which of these does it hold (or none)?
+PUBLIC_KEYWORDS = range(2, 10)  # the public task: which of these does it hold (multi-label)?
 
 
 def make_private_data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -124,7 +124,7 @@ def build_bert(seed: int, num_labels: int = 2, problem_type: str | None = None):
 
 
 def private_model_from(public_model, seed: int, trainable: str):
-    """A 2-way classifier on the public model's encoder (a fresh head); freeze all but ``trainable``."""
+    """A fresh 2-way classifier on the public model's encoder and pooler; freeze all but ``trainable``."""
     model = build_bert(seed, num_labels=2)
     model.bert.load_state_dict(public_model.bert.state_dict())
     last = f"bert.encoder.layer.{model.config.num_hidden_layers - 1}."
