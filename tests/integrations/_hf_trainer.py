@@ -103,3 +103,15 @@ def copy_seq2seq_data(n: int, seed: int = 4) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(2, VOCAB, (n, 6), generator=g)
     return [{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.flip(0)} for x in ids]
+
+
+class StopAt(transformers.TrainerCallback):
+    """Ends the run after step ``n`` (as a kill right after the checkpoint of step ``n`` would)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.n:
+            control.should_training_stop = True
+        return control

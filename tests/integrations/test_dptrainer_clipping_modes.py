@@ -84,20 +84,10 @@ def test_each_clipping_mode_trains_and_logs_the_epsilon_of_an_accountant_for_its
         assert trainer._dp["state"]["clip"].clipping_norm == norms[-1]
 
 
-class _StopAt(transformers.TrainerCallback):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.n:
-            control.should_training_stop = True
-        return control
-
-
 @pytest.mark.parametrize("mode", ["per_group", "adaptive"])
 def test_a_resumed_run_continues_the_clip_state_and_the_plan(tmp_path, mode):
     ckpt = dict(save_strategy="steps", save_steps=2)
-    _train(tmp_path / "cut", callbacks=[_StopAt(2)], **ckpt, **MODES[mode])
+    _train(tmp_path / "cut", callbacks=[hf.StopAt(2)], **ckpt, **MODES[mode])
     saved = json.loads((tmp_path / "cut" / "checkpoint-2" / "accountant.json").read_text())["plan"]
     assert saved["clipping_mode"] == MODES[mode].get("clipping_mode", "fixed")
     _, full_model, full = _train(tmp_path / "full", **ckpt, **MODES[mode])

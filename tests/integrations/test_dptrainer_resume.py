@@ -14,18 +14,6 @@ from opake_fx.transformers import DPTrainer, TrainingArguments  # noqa: E402
 from tests.integrations import _hf_trainer as hf  # noqa: E402
 
 
-class _StopAt(transformers.TrainerCallback):
-    """Ends the run after step ``n`` (as a kill right after the checkpoint of step ``n`` would)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.n:
-            control.should_training_stop = True
-        return control
-
-
 def _run(out, callbacks=(), resume=None, seed=None):
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=16, max_steps=8, learning_rate=1e-2,
                              warmup_steps=2, privacy_target_epsilon=4.0, privacy_seed=seed, privacy_accountant="rdp",
@@ -38,7 +26,7 @@ def _run(out, callbacks=(), resume=None, seed=None):
 
 @pytest.mark.parametrize("seed", [11, None])  # a given seed, and one drawn from the CSPRNG (saved in the checkpoint)
 def test_stop_after_a_checkpoint_and_resume_gives_the_uninterrupted_run(tmp_path, seed):
-    _, _, first = _run(tmp_path / "cut", callbacks=[_StopAt(4)], seed=seed)
+    _, _, first = _run(tmp_path / "cut", callbacks=[hf.StopAt(4)], seed=seed)
     assert first.global_step == 4
     # the seed the first part used (drawn from the CSPRNG when None), as saved in its checkpoint
     saved = load_checkpoint(tmp_path / "cut" / "checkpoint-4" / "dp_state.rank0.pt", meta={"seed": 0, "step": 0})["meta"]
@@ -55,14 +43,14 @@ def test_stop_after_a_checkpoint_and_resume_gives_the_uninterrupted_run(tmp_path
 
 
 def test_resuming_from_a_weights_only_checkpoint_is_refused(tmp_path):
-    _run(tmp_path, callbacks=[_StopAt(4)], seed=1)
+    _run(tmp_path, callbacks=[hf.StopAt(4)], seed=1)
     (tmp_path / "checkpoint-4" / "dp_state.rank0.pt").unlink()
     with pytest.raises(CheckpointError, match="cannot be resumed"):
         _run(tmp_path, resume=str(tmp_path / "checkpoint-4"), seed=1)
 
 
 def test_resuming_under_another_plan_is_refused(tmp_path):
-    _run(tmp_path, callbacks=[_StopAt(4)], seed=1)
+    _run(tmp_path, callbacks=[hf.StopAt(4)], seed=1)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=16, max_steps=8,
                              privacy_target_epsilon=2.0, privacy_seed=1, privacy_accountant="rdp", **hf.COMMON)
     trainer = DPTrainer(model=hf.gpt2_lora(seed=3), args=args, train_dataset=hf.counting_lm_data(96))
