@@ -133,7 +133,7 @@ def _sq_norms_float32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # it plus the underflow of m + 1 operations: exact <= (fl + (m + 2) TINY) / (1 - gamma_{m+2}).
     factor = _inverse_margin(seg)
     tiny = (seg + 2) * TINY32
-    total = parts.sum(dim=1) if k > 1 else parts.view(b)
+    total = parts.sum(dim=1)
     slack = k * tiny
     if k * seg < n:
         rest = x[:, k * seg:]
