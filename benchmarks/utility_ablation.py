@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,9 @@ from opake_fx.layers import WeightStandardizedConv2d, scale_last_layer_
 from opake_fx.optimizers import sgd
 from opake_fx.random import key
 from opake_fx.transforms import apply_updates, named_chain
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from demo import TanhMLP  # noqa: E402  (the demo's recipe model itself, not a copy)
 
 
 @dataclass(frozen=True)
@@ -69,16 +74,6 @@ class ConvNet(nn.Module):
         x = self.act(self.norm1(self.conv1(x)))
         x = self.act(self.norm2(self.conv2(x)))
         return self.fc(x.flatten(1))
-
-
-class TanhMLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(64, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x.flatten(1))))
 
 
 BASE = Config()
