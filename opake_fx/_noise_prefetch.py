@@ -79,7 +79,7 @@ class NoisePrefetcher:
     ``draw(step_key, leaves, stddev)`` returns exactly
     ``flat_tree_normal(step_key, leaves, stddev=stddev)``: the pending draw when it was
     started for the same key, leaf shapes, dtypes, devices and stddev, else a draw made now.
-    ``prefetch(...)`` starts the next draw (replacing any pending one), ``prefetch_next(key)``
+    ``prefetch(...)`` starts the next draw (replacing any pending one), ``prefetch_next(key, step)``
     one for the layout and stddev of the last ``draw``; ``discard()`` drops it;
     ``normals(key, step, ...)`` does what a noise stage needs each step: step ``step``'s
     draw under ``fold_in(key, step)``, and step ``step + 1``'s started.
@@ -118,6 +118,7 @@ class NoisePrefetcher:
         self.hits = 0
         """How many draws were served from a prefetch (for tests and benchmarks)."""
         self._misses = 0  # pending draws dropped in a row (e.g. a clip norm that adapts every step)
+        self._auto: tuple[Any, int, bool] | None = None  # (layout, torch threads, whether auto draws ahead)
 
     def draw(self, step_key: RngKey, leaves: Sequence[torch.Tensor], stddev: float) -> Draw:
         """``flat_tree_normal(step_key, leaves, stddev=stddev)``, from the pending draw if it matches."""
@@ -145,19 +146,31 @@ class NoisePrefetcher:
         """
         result = self.draw(fold_in(key, step), leaves, stddev)
         if step + 1 < MAX_STEPS:
-            self.prefetch(fold_in(key, step + 1), leaves, stddev)
+            self.prefetch_next(key, step + 1)
         return result
 
-    def prefetch_next(self, step_key: RngKey) -> None:
-        """Starts a draw under ``step_key`` for the leaf layout and stddev of the last :meth:`draw`."""
-        if self._last is not None:
-            layout, stddev = self._last
-            self.prefetch(step_key, [_LeafSpec(*spec) for spec in layout], stddev)  # type: ignore[misc]
+    def prefetch_next(self, key: RngKey, step: int) -> None:
+        """Starts step ``step``'s draw (under ``fold_in(key, step)``) for the leaf layout and
+        stddev of the last :meth:`draw`; derives no key when prefetching does not apply."""
+        if self._last is None or self.enabled is False:
+            return
+        layout, stddev = self._last
+        if self.enabled is None:  # auto: decided once per layout and thread count
+            threads = torch.get_num_threads()
+            if self._auto is None or self._auto[:2] != (layout, threads):
+                self._auto = (layout, threads, prefetch_by_default([_LeafSpec(*spec) for spec in layout]))  # type: ignore[misc]
+            if not self._auto[2] or self._misses >= _AUTO_MISSES:
+                return
+        specs = [_LeafSpec(*spec) for spec in layout]  # type: ignore[misc]
+        if self._applies(specs):
+            self._start(fold_in(key, step), specs, stddev)
 
     def prefetch(self, step_key: RngKey, leaves: Sequence[torch.Tensor], stddev: float) -> None:
         """Starts the draw ``draw(step_key, leaves, stddev)`` will return, if prefetching applies."""
-        if not self._applies(leaves):
-            return
+        if self._applies(leaves):
+            self._start(step_key, leaves, stddev)
+
+    def _start(self, step_key: RngKey, leaves: Sequence[Any], stddev: float) -> None:
         signature = _signature(step_key, leaves, stddev)
         specs = [_LeafSpec(s, d, dev) for s, d, dev in signature[1]]
         devices = {leaf.device for leaf in leaves}

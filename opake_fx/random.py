@@ -93,6 +93,14 @@ class RngKey:
 KeyLike = RngKey | torch.Tensor
 
 
+def _derived_key(words: tuple[int, int]) -> RngKey:
+    """An ``RngKey`` from words Threefry just produced (two Python ints below ``2**32`` by
+    construction), without re-validating them: the noise stage derives several keys a step."""
+    k = object.__new__(RngKey)
+    object.__setattr__(k, "words", words)
+    return k
+
+
 def key(seed: int) -> RngKey:
     """Makes a key from an integer seed, as ``jax.random.PRNGKey`` does.
 
@@ -149,17 +157,21 @@ def split(k: KeyLike, num: int = 2) -> Any:
     if num < 1:
         raise InputValueError(f"split needs num >= 1; got {num}.")
     if isinstance(k, RngKey):
-        if num <= _SCALAR_SPLIT_MAX:
-            return tuple(RngKey(_threefry(*k.words, i >> 32, i & _MASK)) for i in range(num))
-        y0, y1 = _threefry(*_np_key(k), *_np_counters(num))
-        return tuple(RngKey((a, b)) for a, b in zip(y0[0].tolist(), y1[0].tolist()))
+        return _split_key(k, num)
     kt = _check_key_tensor(k)
     counters = torch.arange(num, dtype=torch.int64, device=kt.device)
     y0, y1 = _hash_counters(kt, counters)
     return torch.stack((y0, y1), dim=-1)
 
 
-@typechecked
+def _split_key(k: RngKey, num: int) -> tuple[RngKey, ...]:
+    """:func:`split` of an ``RngKey`` (``num >= 1``), without the argument checks."""
+    if num <= _SCALAR_SPLIT_MAX:
+        return tuple(_derived_key(_threefry(*k.words, i >> 32, i & _MASK)) for i in range(num))
+    y0, y1 = _threefry(*_np_key(k), *_np_counters(num))
+    return tuple(_derived_key((a, b)) for a, b in zip(y0[0].tolist(), y1[0].tolist()))
+
+
 def fold_in(k: KeyLike, data: int | torch.Tensor) -> Any:
     """Derives a key from ``k`` and an integer (a step, a rank), as ``jax.random.fold_in``.
 
@@ -186,6 +198,9 @@ def fold_in(k: KeyLike, data: int | torch.Tensor) -> Any:
         >>> fold_in(key(0), 2**32) != fold_in(key(0), 0)
         True
     """
+    # (checked by hand, not by @typechecked: the noise stage derives a key every step)
+    if type(k) is RngKey and type(data) is int and 0 <= data < 2**64:  # the common case: a step, a rank
+        return _derived_key(_threefry(*k.words, data >> 32, data & _MASK))
     if isinstance(k, RngKey):
         if isinstance(data, torch.Tensor):
             if data.numel() != 1 or data.is_floating_point() or data.is_complex() or data.dtype == torch.bool:
@@ -201,8 +216,13 @@ def fold_in(k: KeyLike, data: int | torch.Tensor) -> Any:
                 f"fold_in needs data in [0, 2**64); got {data}. A negative or larger value would alias another "
                 "value's key (a reused key repeats its noise); count steps and ranks from 0."
             )
-        return RngKey(_threefry(*k.words, data >> 32, data & _MASK))
+        return _derived_key(_threefry(*k.words, data >> 32, data & _MASK))
     kt = _check_key_tensor(k)
+    if isinstance(data, torch.Tensor):
+        if data.is_floating_point() or data.is_complex() or data.dtype == torch.bool:
+            raise InputTypeError(f"fold_in needs integer data; got a {data.dtype} tensor.")
+    elif isinstance(data, bool) or not isinstance(data, numbers.Integral):
+        raise InputTypeError(f"fold_in needs an int or an integer tensor; got {type(data).__name__}.")
     d = torch.as_tensor(data, dtype=torch.int64, device=kt.device)
     y0, y1 = _threefry(kt[..., 0], kt[..., 1], (d >> 32) & _MASK, d & _MASK)
     return torch.stack((y0, y1), dim=-1)
@@ -363,13 +383,16 @@ def flat_tree_normal(
         groups.setdefault((leaf.device, leaf.dtype), []).append(i)
     draws: list[torch.Tensor | None] = [None] * len(leaves)
     buffers = []
-    subkeys = split(k, len(groups)) if groups else ()
+    subkeys = _split_key(k, len(groups)) if groups else ()
     for ((device, dtype), members), gk in zip(groups.items(), subkeys):
         sizes = [leaves[i].numel() for i in members]
         flat = _keyed_randn(gk, sum(sizes), dtype, device, stddev)
         buffers.append(flat)
+        if len(members) == 1:
+            draws[members[0]] = flat.view(leaves[members[0]].shape)
+            continue
         for i, part in zip(members, torch.split(flat, sizes)):
-            draws[i] = part.view(leaves[i].shape)
+            draws[i] = part if len(leaves[i].shape) == 1 else part.view(leaves[i].shape)
     return draws, buffers  # type: ignore[return-value]
 
 
@@ -399,7 +422,7 @@ def _keyed_randn(k: RngKey, n: int, dtype: torch.dtype, device: torch.device, st
         return torch.empty(n, dtype=dtype, device=device).normal_(0.0, stddev, generator=gen)
     out = torch.empty(n, dtype=dtype)
     chunks = torch.split(out, _CPU_CHUNK)
-    gens = _keyed_generators(list(split(k, len(chunks))), [device] * len(chunks))
+    gens = _keyed_generators(list(_split_key(k, len(chunks))), [device] * len(chunks))
     workers = torch.get_num_threads()  # the pool keeps this size whatever the chunk count
     if workers <= 1 or len(chunks) < _PARALLEL_MIN_CHUNKS:
         for chunk, gen in zip(chunks, gens):
@@ -545,6 +568,7 @@ def _cpu_state_generator(seed: int) -> torch.Generator:
 
 _SPLITMIX_INDEX = np.arange(1, _MT_WORDS // 2 + 1, dtype=np.uint64)
 _GOLDEN, _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_SPLITMIX_BASE = _SPLITMIX_INDEX * _GOLDEN  # j * golden, the seed-free part of every state
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
@@ -555,9 +579,15 @@ def _splitmix64_words(seed: int, n: int) -> np.ndarray:
     generator state: output ``j`` is a bijective mix of ``seed + j * golden``, so distinct
     seeds give distinct, well-mixed sequences. Vectorised in numpy (uint64 wraps).
     """
-    # (array arithmetic wraps silently; only numpy scalar overflow would warn)
-    z = _SPLITMIX_INDEX[: (n + 1) // 2] * _GOLDEN + np.uint64(seed)
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    z ^= z >> _S31
+    # (array arithmetic wraps silently; only numpy scalar overflow would warn; in place: few
+    # temporaries, as this runs every step)
+    z = _SPLITMIX_BASE[: (n + 1) // 2] + np.uint64(seed)
+    t = z >> _S30
+    z ^= t
+    z *= _M1
+    np.right_shift(z, _S27, out=t)
+    z ^= t
+    z *= _M2
+    np.right_shift(z, _S31, out=t)
+    z ^= t
     return z.view(np.uint32)[:n].astype(np.int64)

@@ -378,6 +378,8 @@ def _public_scalar(x: Any, op: str) -> float:
 
 
 def _check_max_norm(max_norm: Any, owner: str) -> Any:
+    if type(max_norm) is float and max_norm > 0:  # the common case, without the ABC checks below (inf included)
+        return max_norm
     if isinstance(max_norm, PerGroup):
         if not max_norm.effective > 0:
             raise InputValueError(
@@ -413,6 +415,8 @@ def _check_max_norm(max_norm: Any, owner: str) -> Any:
 
 
 def _check_noise_stddev(stddev: Any) -> Any:
+    if type(stddev) is float and 0 <= stddev < math.inf:  # the common case, without the ABC checks below
+        return stddev
     if stddev is None or isinstance(stddev, PerGroup):
         return stddev  # PerGroup validates its values (real, >= 0, not NaN) itself
     if isinstance(stddev, bool) or isinstance(stddev, torch.Tensor) or not isinstance(stddev, Real):

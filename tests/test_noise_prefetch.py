@@ -125,12 +125,28 @@ def test_side_stream_draws_equal_the_draws_in_place_on_cuda() -> None:
 
 def test_prefetch_next_draws_for_the_layout_and_stddev_of_the_last_draw() -> None:
     pf = NoisePrefetcher(enabled=True)
-    pf.prefetch_next(fold_in(key(2), 0))  # nothing drawn yet: nothing to repeat
+    pf.prefetch_next(key(2), 0)  # nothing drawn yet: nothing to repeat
     assert not pf.pending
     pf.draw(fold_in(key(2), 0), LEAVES, 0.7)
-    pf.prefetch_next(fold_in(key(2), 1))
+    pf.prefetch_next(key(2), 1)
     got, _ = pf.draw(fold_in(key(2), 1), LEAVES, 0.7)
     assert pf.hits == 1 and _same(got, flat_tree_normal(fold_in(key(2), 1), LEAVES, stddev=0.7)[0])
+
+
+def test_prefetch_next_derives_no_key_when_prefetching_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    import opake_fx._noise_prefetch as module
+
+    calls = []
+    monkeypatch.setattr(module, "fold_in", lambda k, d: calls.append(d) or fold_in(k, d))
+    off = NoisePrefetcher(enabled=False)
+    off.draw(fold_in(key(2), 0), LEAVES, 0.7)
+    off.prefetch_next(key(2), 1)
+    assert calls == [] and not off.pending
+    on = NoisePrefetcher(enabled=True)
+    on.draw(fold_in(key(2), 0), LEAVES, 0.7)
+    on.prefetch_next(key(2), 1)
+    assert calls == [1] and on.pending
+    on.discard()
 
 
 # --- the noise stage ----------------------------------------------------------------------

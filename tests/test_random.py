@@ -244,3 +244,26 @@ def test_generator_state_is_the_splitmix64_expansion_of_the_seed():
 
     for seed in (0, 1, 2**64 - 1, 0x0123456789ABCDEF):
         assert _splitmix64_words(seed, 624).tolist() == reference(seed, 624)
+
+
+@pytest.mark.parametrize("bad", [2.5, "3", None, True])
+def test_fold_in_rejects_non_integer_data(bad):
+    with pytest.raises(InputTypeError):
+        fold_in(key(0), bad)
+    with pytest.raises(InputTypeError):
+        fold_in(key_data(key(0)), bad)
+
+
+def test_fold_in_rejects_a_non_key():
+    with pytest.raises(InputTypeError, match="RngKey"):
+        fold_in((0, 1), 3)
+    with pytest.raises(InputTypeError):
+        fold_in(key_data(key(0)), torch.tensor(1.5))
+
+
+def test_fold_in_fast_path_matches_the_checked_paths():
+    import numpy as np
+
+    k = key(11)
+    for d in (0, 1, 2**32 - 1, 2**32, 2**64 - 1):
+        assert fold_in(k, d) == fold_in(k, np.uint64(d)) == wrap_key_data(fold_in(key_data(k), torch.tensor(d if d < 2**63 else d - 2**64)))

@@ -200,7 +200,8 @@ def gaussian_noise(
         if pair:
             facts += [("squared_max_norm", clipped.squared_grads.max_norm), ("second_moment_share", share)]
         ranks_agree(facts)
-        new_state = replace(state, step=state.step + 1)
+        new_state = (GaussianNoiseState(state.key, state.step + 1) if type(state) is GaussianNoiseState
+                     else replace(state, step=state.step + 1))  # (the constructor: dataclasses.replace is slow)
         if pair:
             check_pair_step(state.step)
             first, second = clipped.grads, clipped.squared_grads
@@ -364,7 +365,7 @@ def _noised(
         return spec.unflatten(add_gaussian_noise(leaves, fold_in(key, step), stds, exact=exact, secure=secure))
     noised = add_gaussian_noise(leaves, fold_in(key, step), stds, draw=prefetcher.draw)
     if step + 1 < MAX_STEPS:
-        prefetcher.prefetch_next(fold_in(key, step + 1))
+        prefetcher.prefetch_next(key, step + 1)
     return spec.unflatten(noised)
 
 

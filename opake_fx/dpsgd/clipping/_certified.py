@@ -166,6 +166,9 @@ def _sq_norms_float64(x: torch.Tensor) -> torch.Tensor:
                 scale = _power_of_two_scale(x.abs().amax(dim=1))
                 scaled = x / scale.unsqueeze(1)  # exact: a power of two
                 sq = torch.where(finite, torch.linalg.vecdot(scaled, scaled) * scale.square(), sq)
+    elif b * n <= _CHUNK_ELEMS:  # one chunk
+        rows = x.to(torch.float64)
+        sq = torch.linalg.vecdot(rows, rows)
     else:
         step = max(1, _CHUNK_ELEMS // max(1, n))
         parts = []

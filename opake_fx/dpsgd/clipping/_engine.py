@@ -205,6 +205,52 @@ class StepResult:
     squared: ClippedPytree | None = None  # sum of clipped squared gradients (second_moment)
 
 
+@dataclass(frozen=True)
+class StaticPlan:
+    """What one call derives from the parameters' structure and the clip norm alone.
+
+    Kept per clipped-gradient function, keyed by the tree structure, each leaf's dtype
+    and device, and the clip norm (its value; a ``PerGroup`` by identity, held here so
+    the identity cannot be reused). A key that matches means the leaves passed the
+    argument checks before: every leaf is a floating-point tensor (only tensors have a
+    dtype in the key), so the checks are not repeated.
+    """
+
+    group_names: list[str]
+    leaf_group: list[int]
+    out_dtypes: list[torch.dtype]
+    output_factor: float  # roundings between a weight and the output, in the least precise dtype
+    bounds: torch.Tensor  # [G] float64 on the CPU: the clip norm of each group
+    clipping_norm: float | PerGroup
+
+
+def _static_plan(args: tuple[Any, ...], cfg: ClipConfig, clipping_norm: float | PerGroup, diff_leaves: list[Any],
+                 treedef: Any, plans: dict[Any, StaticPlan] | None) -> StaticPlan:
+    key: Any = None
+    if plans is not None and all(isinstance(leaf, torch.Tensor) for leaf in diff_leaves):
+        norm_key = ("groups", id(clipping_norm)) if isinstance(clipping_norm, PerGroup) else float(clipping_norm)
+        key = (treedef, tuple((leaf.dtype, leaf.device) for leaf in diff_leaves), norm_key)
+        found = plans.get(key)
+        if found is not None:
+            return found
+    _check_args(args, cfg)
+    if isinstance(clipping_norm, PerGroup):
+        paths, _, _ = tree_flatten_with_paths(_diff_tree(args, cfg))
+        group_names, leaf_group = _leaf_groups(clipping_norm, paths)
+        bounds = torch.tensor([clipping_norm.values[g] for g in group_names], dtype=torch.float64)
+    else:
+        group_names, leaf_group = ["all"], [0] * len(diff_leaves)
+        bounds = torch.tensor([float(clipping_norm)], dtype=torch.float64)
+    out_dtypes = [cfg.dtype or _accumulation_dtype(leaf.dtype) for leaf in diff_leaves]
+    output_factor = max((cert.output_factor(dt) for dt in out_dtypes), default=1.0)
+    plan = StaticPlan(group_names, leaf_group, out_dtypes, output_factor, bounds, clipping_norm)
+    if key is not None:
+        if len(plans) >= 16:  # an adaptive clip norm changes every step: keep the cache small
+            plans.clear()
+        plans[key] = plan
+    return plan
+
+
 def clipped_step(
     loss_fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -214,20 +260,20 @@ def clipped_step(
     clipping_norm: float | PerGroup,
     weight_fn: WeightFn,
     backend: Backend = vmap_backend,
+    plans: dict[Any, StaticPlan] | None = None,
 ) -> StepResult:
-    """Runs one clipped-gradient computation (all microbatches) and returns its parts."""
-    _check_args(args, cfg)
-    diff_tree = _diff_tree(args, cfg)
-    paths, diff_leaves, treedef = tree_flatten_with_paths(diff_tree)
-    group_names, leaf_group = _leaf_groups(clipping_norm, paths)
-    bounds = torch.tensor(
-        [clipping_norm.values[g] for g in group_names] if isinstance(clipping_norm, PerGroup) else [float(clipping_norm)],
-        dtype=torch.float64,
-    )
+    """Runs one clipped-gradient computation (all microbatches) and returns its parts.
+
+    ``plans`` (one dict per clipped-gradient function) keeps what depends only on the
+    parameters' structure and dtypes and on the clip norm (:class:`StaticPlan`), so a
+    call with the same structure skips its checks and derivations.
+    """
+    diff_leaves, treedef = optree.tree_flatten(_diff_tree(args, cfg), namespace=NAMESPACE)
+    static = _static_plan(args, cfg, clipping_norm, diff_leaves, treedef, plans)
+    group_names, leaf_group, out_dtypes = static.group_names, static.leaf_group, static.out_dtypes
+    output_factor = static.output_factor
+    bounds = static.bounds
     batch = batch_size_of(args, cfg)
-    out_dtypes = [cfg.dtype or _accumulation_dtype(leaf.dtype) for leaf in diff_leaves]
-    # Roundings between a weight and the output, in the least precise dtype they happen in.
-    output_factor = max((cert.output_factor(dt) for dt in out_dtypes), default=1.0)
     # Accumulators are created by the first microbatch (no zero-fill pass over large tables).
     sums: list[torch.Tensor | None] = [None] * len(diff_leaves)
     sq_sums: list[torch.Tensor | None] = [None] * len(diff_leaves)  # second_moment only

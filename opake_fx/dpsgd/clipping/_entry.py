@@ -97,10 +97,13 @@ def make_grad_fn(loss_fn: Callable[..., Any], mode: ClipMode, options: ClipOptio
                 "layer activations). Use clip_backend=\"vmap\" (with a per-example loss_fn) for this."
             )
 
+    plans: dict[Any, Any] = {}  # structure-only derivations, reused across calls (_engine.StaticPlan)
+
     def grad_fn(*args: Any, state: Any = None, **kwargs: Any) -> Any:
         check_state(state, mode.state_type, mode.maker)
         norm = mode.clipping_norm(state)
-        result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=norm, weight_fn=mode.weights, backend=backend)
+        result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=norm, weight_fn=mode.weights, backend=backend,
+                              plans=plans)
         return package(result, cfg, norm, mode.advance(state, result))
 
     return grad_fn

@@ -86,7 +86,7 @@ class MatmulGrad:
             if weight_shape is not None:  # ||g a^T|| = ||a|| ||g||
                 self._a2 = N.as_dtype(patches(0, self.batch).reshape(self.batch, d_in), dtype)
                 self._sq = N.sq_norms_of(self._a2) * sq_g * (1.0 + cert.gamma(2, torch.float64))
-                self._abs = self._sq.sqrt()
+                # (|a| |g| = sqrt of it: taken only if a tied use asks, in cross_form)
             return
         if bias_shape is not None:
             self._bias_pe = g.sum(dim=2).reshape(self.batch, *bias_shape)
@@ -172,7 +172,8 @@ class MatmulGrad:
             return ("pe", self.per_example(name), self.sq_norm(name).sqrt())
         if self._a2 is not None and self._g2 is not None:
             a2, g2 = self._a2, self._g2
-            return ("linear", lambda lo, hi: a2[lo:hi].unsqueeze(1), g2.unsqueeze(1), self.weight_shape, self._abs)
+            assert self._sq is not None
+            return ("linear", lambda lo, hi: a2[lo:hi].unsqueeze(1), g2.unsqueeze(1), self.weight_shape, self._sq.sqrt())
         if self.patches is not None and self.g is not None and self.groups == 1:
             patches, g = self.patches, self.g
             return ("linear", lambda lo, hi: patches(lo, hi)[:, 0], g[:, 0], self.weight_shape, self._abs)
