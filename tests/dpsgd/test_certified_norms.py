@@ -324,3 +324,34 @@ def test_float32_row_sq_norms_are_upper_bounds(n, scale, zeros, seed):
         else:
             assert float(sq[i]) >= exact
             assert float(sq[i]) <= exact * (1 + cert.LOOSE) + 1e-300
+
+
+def test_float32_gram_products_past_float32_range_go_to_float64():
+    # Grams in range (entries ~1e30 and ~1e20) whose products (~1e50) are not: the float32
+    # evaluation of sum Â Ĥ overflows, so the example must be handed to float64, and the
+    # norm it gets there is still an upper bound of the exact one.
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(6, 8, generator=gen) * 1e15
+    g = torch.randn(6, 3, generator=gen) * 1e10
+    sq32, _, loose = cert._gram_sq_norms_float32(a[None, None], g[None, None])
+    assert bool(loose[0])
+    sq, s = cert.gram_sq_norms(a[None, None], g[None, None])
+    exact = exact_sq_norm(a, g)
+    assert exact <= float(sq[0]) <= exact * (1 + 1e-9)
+
+
+def test_float32_gram_rows_that_cancel_keep_a_valid_bound():
+    # Within one row t, sum_s Â_ts Ĥ_ts cancels (Ĥ alternates in sign along s while Â is
+    # nearly constant): the float32 row sums lose digits, and what the fast path keeps must
+    # still bound the exact norm.
+    kept = 0
+    for spread, noise in ((1e-1, 1e-1), (1e-2, 1e-1), (1e-1, 1e-2)):
+        for seed in range(10):
+            a = cancelling(32, 16, 1.0, spread, seed, torch.float32)
+            g = alternating(32, 4, 1.0, seed, torch.float32) + noise * torch.randn(
+                32, 4, generator=torch.Generator().manual_seed(seed))
+            sq, s, loose = cert._gram_sq_norms_float32(a[None, None], g[None, None])
+            if not bool(loose[0]):
+                kept += 1
+                assert float(sq[0]) >= exact_sq_norm(a, g)
+    assert kept >= 15  # the fast path keeps most of these (so the bound above is exercised)

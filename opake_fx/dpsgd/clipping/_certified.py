@@ -223,50 +223,66 @@ def _gram_sq_norms_float32(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tens
     With ``A = a a^T`` and ``H = g g^T`` rounded in float32 (``Â``, ``Ĥ``), each entry errs by
     at most ``e^A_ts = gamma_A alpha_ts + eps_A`` with ``alpha_ts = |a_t| |a_s|``,
     ``gamma_A = gamma_{d_in+2}`` and ``eps_A = (d_in + 2) TINY`` (underflow); likewise
-    ``e^H_ts`` with ``beta_ts = |g_t| |g_s|``. Products of float32 values are exact in
-    float64, where ``p = sum Â Ĥ`` is summed. Since ``ÂĤ - AH = (Â - A) Ĥ + A (Ĥ - H)`` and
-    ``|A| <= |Â| + e^A``::
+    ``e^H_ts`` with ``beta_ts = |g_t| |g_s|``. Since ``ÂĤ - AH = (Â - A) Ĥ + A (Ĥ - H)``,
+    ``|A| <= |Â| + e^A`` and ``|Â| <= (1 + gamma_A) alpha + eps_A``::
 
-        |p - sum A H| <= gamma_A sum alpha |Ĥ| + gamma_H sum |Â| beta + eps_A sum |Ĥ|
-                         + eps_H sum |Â| + sum e^A e^H + gamma_{G T^2 + 2} sum |Â Ĥ|
+        |sum Â Ĥ - sum A H| <= gamma_A sum alpha |Ĥ| + gamma_H sum |Â| beta + eps_A sum |Ĥ|
+                               + eps_H sum |Â| + sum e^A e^H
 
-    (the last term: the float64 sum; ``sum |ÂĤ| <= s^2 + `` the rest). The quadratic forms
-    ``sum alpha |Ĥ| = |a|^T |Ĥ| |a|`` use the computed Grams, so the bound is far below
-    ``(gamma_A + gamma_H) s^2`` when positions are not aligned (random sequences: about
-    1e-4 of the squared norm). Row norms are the Grams' diagonals with their own bound
-    (:func:`_row_sq_upper32`); rows whose squared norm could push a Gram entry past
-    float32's range are out of range.
+    with ``sum |Ĥ| <= (1 + gamma_H) sum beta + G T^2 eps_H`` (and likewise ``sum |Â|``). The
+    quadratic forms ``sum alpha |Ĥ| = |a|^T |Ĥ| |a|`` are taken from the computed Grams, so
+    the bound follows how the positions align (random sequences: about 1e-4 of the squared
+    norm), not the worst case ``(gamma_A + gamma_H) s^2``. ``p = sum Â Ĥ`` is evaluated row
+    by row in float32 (``T`` products each: error at most ``gamma_T sum_s |Â_ts Ĥ_ts| +
+    T TINY``) and the rows summed in float64; ``sum |Â Ĥ|`` itself is bounded from its own
+    float32 row sums (non-negative terms: the computed value is at least ``1 - gamma_T`` of
+    it, less the underflow). The quadratic forms are float32 matrix-vector products of
+    non-negative values with the row norms rounded up, bounded the same way. Row norms are
+    the Grams' diagonals with their own bound (:func:`_row_sq_upper32`); rows whose squared
+    norm could push a Gram entry past float32's range are out of range, and any non-finite
+    intermediate (a product past float32's range) leaves the example loose.
     """
     b, groups, t = a.shape[0], a.shape[1], a.shape[2]
     d_in, d_out = a.shape[3], g.shape[3]
-    a3, g3 = a.reshape(b * groups, t, d_in), g.reshape(b * groups, t, d_out)
+    n = b * groups
+    a3, g3 = a.reshape(n, t, d_in), g.reshape(n, t, d_out)
     aa = torch.bmm(a3, a3.transpose(1, 2))
     gg = torch.bmm(g3, g3.transpose(1, 2))
-    # The Grams' diagonals are the rows' float32 dot products: their squared norms, with the same bound.
-    na2 = _row_sq_upper32(aa.diagonal(dim1=1, dim2=2), d_in)  # [b G, T]
-    ng2 = _row_sq_upper32(gg.diagonal(dim1=1, dim2=2), d_out)
-    out_of_range = ~(na2.view(b, -1).amax(1) < _RANGE32) | ~(ng2.view(b, -1).amax(1) < _RANGE32)  # (NaN too)
+    # The Grams' diagonals are the rows' float32 dot products: their squared norms, with the
+    # bound of _row_sq_upper32 (a's row 0, g's row 1).
+    diag = torch.stack((aa.diagonal(dim1=1, dim2=2), gg.diagonal(dim1=1, dim2=2))).to(torch.float64)  # [2, n, T]
+    add = torch.tensor([(d_in + 2) * TINY32, (d_out + 2) * TINY32], dtype=torch.float64, device=diag.device)
+    mul = torch.tensor([_inverse_margin(d_in), _inverse_margin(d_out)], dtype=torch.float64, device=diag.device)
+    rows_sq = (diag + add.view(2, 1, 1)).mul_((mul * (1.0 + gamma(4, torch.float64))).view(2, 1, 1))
+    out_of_range = ~(rows_sq.amax(dim=2) < _RANGE32).all(dim=0).view(b, groups).all(dim=1)  # (NaN too)
     up = 1.0 + 2.0**-50  # sqrt and products of these few float64 values
-    na, ng = na2.sqrt() * up, ng2.sqrt() * up
-    aa64, gg64 = aa.to(torch.float64), gg.to(torch.float64)
-    p = torch.linalg.vecdot(aa64.view(b, -1), gg64.view(b, -1))
-    abs_a, abs_g = aa64.abs_(), gg64.abs_()  # (p is formed: the copies can be overwritten)
-    q_ag = torch.bmm(abs_g, na.unsqueeze(2)).view(b * groups, t)  # |Ĥ| |a|
-    q_ga = torch.bmm(abs_a, ng.unsqueeze(2)).view(b * groups, t)  # |Â| |g|
-    form_a = torch.linalg.vecdot(na, q_ag).view(b, groups).sum(1)  # sum alpha |Ĥ|
-    form_g = torch.linalg.vecdot(ng, q_ga).view(b, groups).sum(1)  # sum |Â| beta
-    sum_abs_a, sum_abs_g = abs_a.view(b, -1).sum(1), abs_g.view(b, -1).sum(1)
+    norms = rows_sq.sqrt_().mul_(up)  # [2, n, T]: upper bounds of |a_t| and |g_t|
+    p_rows = torch.linalg.vecdot(aa, gg)  # [n, T] float32: sum_s Â_ts Ĥ_ts
+    aa.abs_(), gg.abs_()  # (the signed Grams are not needed any more)
+    m_rows = torch.linalg.vecdot(aa, gg)  # sum_s |Â_ts| |Ĥ_ts|
+    up32 = (norms * (1.0 + 2.0**-23)).to(torch.float32)  # rounded to float32 at or above the bounds
+    q_ag = torch.bmm(gg, up32[0].unsqueeze(2)).squeeze(2)  # |Ĥ| |a|
+    q_ga = torch.bmm(aa, up32[1].unsqueeze(2)).squeeze(2)  # |Â| |g|
+    rows = torch.stack((p_rows, m_rows, q_ag, q_ga)).to(torch.float64)  # [4, n, T]
     slack = (1.0 + gamma(t * t + 2 * t + groups + 8, torch.float64)) * up  # rounding of these float64 sums
-    na, ng = na.view(b, groups, t), ng.view(b, groups, t)
-    s_group = (na * ng).sum(dim=2)  # [b, G]
+    p = rows[0].view(b, -1).sum(dim=1)
+    # Non-negative float32 sums of t products: exact <= (computed + t TINY) / (1 - gamma_t).
+    sums_nonneg = (rows[1:] + t * TINY32).mul_(_inverse_margin(t))  # [3, n, T]
+    m_abs = sums_nonneg[0].view(b, -1).sum(dim=1) * slack  # >= sum |Â Ĥ|
+    forms = (norms * sums_nonneg[1:]).sum(dim=2).view(2, b, groups).sum(dim=2) * slack  # sum alpha |Ĥ|, sum |Â| beta
+    s_group = (norms[0] * norms[1]).sum(dim=1).view(b, groups)
     s_sq = s_group.square().sum(dim=1) * slack**2  # sum alpha beta
-    sa_sq = na.sum(dim=2).square().sum(dim=1) * slack**2  # sum alpha
-    sg_sq = ng.sum(dim=2).square().sum(dim=1) * slack**2  # sum beta
+    sab_sq = norms.sum(dim=2).square().view(2, b, groups).sum(dim=2) * slack**2  # sum alpha, sum beta
     ga, gh = gamma(d_in + 2, torch.float32), gamma(d_out + 2, torch.float32)
     ea, eh = (d_in + 2) * TINY32, (d_out + 2) * TINY32
-    cross = ga * gh * s_sq + ga * eh * sa_sq + ea * gh * sg_sq + groups * t * t * ea * eh  # sum e^A e^H
-    err = (ga * form_a + gh * form_g + ea * sum_abs_g + eh * sum_abs_a) * slack + cross
-    err = (err + gamma(groups * t * t + 2, torch.float64) * (s_sq + err)) * 1.01  # the float64 sum; margin
+    cells = groups * t * t
+    # The Grams' rounding (the display above, with sum e^A e^H expanded and sum |Â|, sum |Ĥ| bounded).
+    gram_err = (ga * forms[0] + gh * forms[1] + ga * gh * s_sq + eh * (1.0 + 2.0 * ga) * sab_sq[0]
+                + ea * (1.0 + 2.0 * gh) * sab_sq[1] + 3.0 * cells * ea * eh)
+    # The evaluation of p: float32 rows, then their float64 sum over G T rows.
+    p_err = (gamma(t, torch.float32) * m_abs + cells * TINY32
+             + gamma(groups * t + 2, torch.float64) * (2.0 * m_abs + cells * TINY32))
+    err = (gram_err * slack + p_err) * 1.01  # margin for the rounding of this error sum itself
     sq = torch.minimum((p + err).clamp_min(0.0), s_sq)
     s = s_group.sum(dim=1) * slack
     loose = out_of_range | ~torch.isfinite(sq) | ~(err <= LOOSE * p)
