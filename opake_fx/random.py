@@ -391,7 +391,7 @@ def flat_tree_normal(
         if len(members) == 1:
             draws[members[0]] = flat.view(leaves[members[0]].shape)
             continue
-        for i, part in zip(members, torch.split(flat, sizes)):
+        for i, part in zip(members, flat.split_with_sizes(sizes)):
             draws[i] = part if len(leaves[i].shape) == 1 else part.view(leaves[i].shape)
     return draws, buffers  # type: ignore[return-value]
 

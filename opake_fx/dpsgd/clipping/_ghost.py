@@ -250,6 +250,7 @@ class _Capture:
                  rewrites_checked: dict[tuple[Any, ...], bool], layout: BatchLayout,
                  rules_checked: set[tuple[Any, ...]]) -> None:
         self.root, self.batch, self.mode = root, batch, mode
+        self.modules = list(root.modules())  # (walked once per call: hooks, broadcasts, bindings)
         self.layout = layout  # which inputs and outputs of each call carry the batch axis
         self.children_params: dict[int, set[int]] = {}
         self.rules_checked = rules_checked  # registered rules checked against autograd (the backend's)
@@ -273,8 +274,8 @@ class _Capture:
     # -- phases --------------------------------------------------------------------------
 
     def forward(self) -> _Capture:
-        self.handles += watch(self.root, lambda m: _registry.lookup(m) is FALLBACK, self._on_broadcast)
-        for m in self.root.modules():
+        self.handles += watch(self.modules, lambda m: _registry.lookup(m) is FALLBACK, self._on_broadcast)
+        for m in self.modules:
             if m._parameters or isinstance(m, _BatchNorm):
                 self.handles.append(m.register_forward_hook(self._hook, with_kwargs=True))
         self.recording = True
@@ -474,7 +475,7 @@ class _Capture:
     def _remember_bindings(self, module: nn.Module) -> None:
         # The tensors functional_call bound to every module now, for checkpoint recomputation.
         if module not in self.bindings:
-            for m in self.root.modules():
+            for m in self.modules:
                 if m._parameters and m not in self.bindings:
                     self.bindings[m] = dict(m._parameters)
 

@@ -113,9 +113,10 @@ def probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], k
                 for i, a in enumerate(args)
             )
             calls: list[_Call] = []
+            modules = list(root.modules())
             handles = [m.register_forward_hook(_recorder(calls), with_kwargs=True)
-                       for m in root.modules() if m._parameters or isinstance(m, _BatchNorm)]
-            handles += watch(root, _broadcast_candidate, _use_recorder(calls))
+                       for m in modules if m._parameters or isinstance(m, _BatchNorm)]
+            handles += watch(modules, _broadcast_candidate, _use_recorder(calls))
             try:
                 with torch.no_grad():
                     out = loss_fn(*sub, **kwargs)

@@ -27,7 +27,7 @@ contribution is at most ``C`` as computed in floating point.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -100,11 +100,12 @@ class Broadcasts(TorchFunctionMode):
         return name
 
 
-def watch(root: nn.Module, candidate: Callable[[nn.Module], bool], on_use: OnUse) -> list[Any]:
-    """Hooks that run :class:`Broadcasts` during the ``forward`` of every module of ``root``
-    for which ``candidate`` holds and that holds parameters directly; returns the handles."""
+def watch(modules: Iterable[nn.Module], candidate: Callable[[nn.Module], bool], on_use: OnUse) -> list[Any]:
+    """Hooks that run :class:`Broadcasts` during the ``forward`` of every module of ``modules``
+    (a model's ``modules()``) for which ``candidate`` holds and that holds parameters
+    directly; returns the handles."""
     handles: list[Any] = []
-    for m in root.modules():
+    for m in modules:
         if not m._parameters or not candidate(m):
             continue
         active: list[Broadcasts] = []
