@@ -23,7 +23,9 @@ Checks, each printed as ``PASS``/``FAIL`` with its measured error:
 * **microbatching** — ``auto`` with ``microbatch_size=2`` equals one pass (1e-9).
 * **certified norms** — the issue-12 crafted example (256 nearly identical rows through a
   ``Linear(1024, 64)`` with output gradients of alternating sign) in float32: its
-  contribution stays within C on ``vmap``, ``ghost`` and ``auto``, with a finite norm.
+  contribution stays within C on ``vmap``, ``ghost`` and ``auto``, with a finite norm; and
+  on ordinary sequences (``Linear(128, 384)``, T = 64) the float32 Gram norms are at or above
+  the float64 ones and within 1% of them (the float32 fast path, on the device).
 * **noise drawn ahead** — ``gaussian_noise(prefetch=True)`` (the next step's noise drawn on
   a side stream on CUDA, a background thread on the CPU) gives the same bits as
   ``prefetch=False`` over 4 steps, and the median step time of each (a 16M-parameter noise
@@ -274,6 +276,24 @@ def check_certified(device: str, report: Report) -> None:
         finite = bool(torch.isfinite(norms).all())
         report.check(f"certified norm {backend}", total <= c and finite,
                      f"contribution {total:.6g} <= C = {c}: {total <= c}, norm {float(norms[0]):.4g} finite: {finite}")
+    # Ordinary sequences keep the float32 Gram path (on CUDA too, with IEEE float32 matmuls):
+    # its norms must be at or above the float64 ones, and within 1% of them.
+    gen = torch.Generator().manual_seed(12)
+    xs = torch.randn(8, 64, 128, generator=gen)
+    ys = torch.randn(8, 64, 384, generator=gen)
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 384, bias=False)  # (a bias sums positions in float32: its stored gradient differs)
+    norms_of = {}
+    for dtype, where in ((torch.float32, device), (torch.float64, "cpu")):
+        fm, ps = make_functional(lin.to(dtype=dtype, device=where))
+
+        def seq(p: Any, xb: torch.Tensor, yb: torch.Tensor, fm: Any = fm) -> torch.Tensor:
+            return (fm(p, xb) * yb).flatten(1).sum(1)
+
+        _, norms_of[dtype] = _run("ghost", seq, fm, ps, xs.to(dtype=dtype, device=where), ys.to(dtype=dtype, device=where), 1.0)
+    ratio = norms_of[torch.float32].double().cpu() / norms_of[torch.float64]
+    report.check("certified float32 Gram norms", bool((ratio >= 1.0 - 1e-12).all() and (ratio <= 1.01).all()),
+                 f"float32 / float64 norm on {device}: {float(ratio.min()):.7f} to {float(ratio.max()):.7f}")
 
 
 def check_prefetch(device: str, report: Report, params: int = 1 << 24, steps: int = 4) -> None:

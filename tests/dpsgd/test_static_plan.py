@@ -73,3 +73,12 @@ def test_per_group_norms_are_planned_per_object() -> None:
             assert set(aux.group_norms) == {"bias", "rest"}
             # every example's bias gradient (its x.sum() >= 3) is clipped to exactly bias_norm
             assert float(out.pytree["b"]) == pytest.approx(X.shape[0] * bias_norm, rel=1e-5)
+
+
+def test_too_few_arguments_is_refused_after_a_cached_call() -> None:
+    from opake_fx.errors import InputValueError
+
+    fn, s = clipped_grad(_loss, clipping_norm=1.0, batch_argnums=1)
+    _, s = fn(_params(), X, state=s)
+    with pytest.raises(InputValueError, match="positional arguments"):
+        fn(_params(), state=s)

@@ -268,6 +268,7 @@ def clipped_step(
     parameters' structure and dtypes and on the clip norm (:class:`StaticPlan`), so a
     call with the same structure skips its checks and derivations.
     """
+    _check_arg_count(args, cfg)
     diff_leaves, treedef = optree.tree_flatten(_diff_tree(args, cfg), namespace=NAMESPACE)
     static = _static_plan(args, cfg, clipping_norm, diff_leaves, treedef, plans)
     group_names, leaf_group, out_dtypes = static.group_names, static.leaf_group, static.out_dtypes
@@ -478,13 +479,16 @@ def _as_index_tuple(v: int | Sequence[int], name: str) -> tuple[int, ...]:
     return t
 
 
-def _check_args(args: tuple[Any, ...], cfg: ClipConfig) -> None:
+def _check_arg_count(args: tuple[Any, ...], cfg: ClipConfig) -> None:
     needed = max(cfg.argnums + cfg.batch_argnums) + 1
     if len(args) < needed:
         raise InputValueError(
             f"the clipped gradient function got {len(args)} positional arguments but argnums={cfg.argnums} "
             f"and batch_argnums={cfg.batch_argnums} need at least {needed}."
         )
+
+
+def _check_args(args: tuple[Any, ...], cfg: ClipConfig) -> None:
     for a in cfg.argnums:
         paths, flat, _ = tree_flatten_with_paths(args[a])
         for p, leaf in zip(paths, flat):
