@@ -158,8 +158,9 @@ class ClippedPytree:
     Privacy contract: adding or removing one example changes ``pytree`` by at most
     ``max_norm`` in L2 norm (``max_norm.effective`` for :class:`PerGroup`). The only
     operations that keep the wrapper are multiplication or division by a public scalar
-    (``max_norm`` scales by ``|factor|``) and :meth:`map` with a declared Lipschitz
-    bound. Any other map (:func:`opake_fx.pytree.tree_map` included) returns the plain
+    (``max_norm`` scales by ``|factor|``), :meth:`map` with a declared Lipschitz
+    bound, and :meth:`to` for a device move or a widening cast (a rounding cast is
+    refused). Any other map (:func:`opake_fx.pytree.tree_map` included) returns the plain
     pytree, which noise stages refuse; re-wrap it only with a ``max_norm`` you can justify.
 
     ``max_norm`` must be a real number > 0 (``inf`` means "not clipped": noise stages
@@ -274,8 +275,36 @@ class ClippedPytree:
         return replace(self, pytree=tree_map(torch.Tensor.detach, self.pytree))
 
     def to(self, *args: Any, **kwargs: Any) -> ClippedPytree:
-        """``Tensor.to`` on every leaf; metadata unchanged."""
-        return replace(self, pytree=tree_map(lambda leaf: leaf.to(*args, **kwargs), self.pytree))
+        """``Tensor.to`` on every leaf; metadata unchanged.
+
+        Privacy: a move between devices and a widening cast (bfloat16 to float32, float32
+        to float64) change no value, so ``max_norm`` still holds. A rounding cast (to a
+        narrower float dtype, or to a non-float one) of a ``ClippedPytree`` is refused: it
+        rounds every coordinate of the clipped sum, by up to ``u`` of the coordinate, so two
+        neighbouring sums can end up further apart than ``max_norm`` (by an amount that
+        grows with the sum, not with one example). A :class:`NoisedPytree` may be cast to
+        anything: that is post-processing.
+
+        Raises:
+            InputValueError: a rounding cast of a ``ClippedPytree``.
+
+        Example:
+            >>> import torch
+            >>> g = ClippedPytree((torch.ones(2, dtype=torch.bfloat16),), max_norm=0.5)
+            >>> g.to(torch.float32).pytree[0].dtype, g.to(torch.float32).max_norm
+            (torch.float32, 0.5)
+        """
+        cast = tree_map(lambda leaf: leaf.to(*args, **kwargs), self.pytree)
+        if not isinstance(self, NoisedPytree):
+            for before, after in zip(optree.tree_leaves(self.pytree, namespace=NAMESPACE),
+                                     optree.tree_leaves(cast, namespace=NAMESPACE)):
+                if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and not _widens(before.dtype, after.dtype):
+                    raise InputValueError(
+                        f"{type(self).__name__}.to({after.dtype}) would round the clipped sum (held in {before.dtype}): two "
+                        "neighbouring sums could then differ by more than max_norm. Cast after the noise stage "
+                        "(NoisedPytree.to is post-processing), or clip in the narrower dtype (clipped_grad(..., dtype=...))."
+                    )
+        return replace(self, pytree=cast)
 
 
 @dataclass(frozen=True)
@@ -366,6 +395,11 @@ class SecondMomentNoiseOutput:
 
     def clone(self) -> SecondMomentNoiseOutput:
         return SecondMomentNoiseOutput(self.noisy_grads.clone(), self.noisy_squared_grads.clone())
+
+
+def _widens(before: torch.dtype, after: torch.dtype) -> bool:
+    """Whether casting ``before`` to ``after`` keeps every value exactly (same or wider float)."""
+    return before == after or (after.is_floating_point and torch.promote_types(before, after) == after)
 
 
 def _public_scalar(x: Any, op: str) -> float:

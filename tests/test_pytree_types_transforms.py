@@ -127,3 +127,24 @@ def test_apply_updates_is_pure_and_unwraps():
     assert torch.equal(params[0], torch.ones(2))
     assert torch.equal(new[0], torch.full((2,), 1.5))
     assert unwrap(3) == 3
+
+
+def test_clipped_pytree_to_refuses_a_rounding_cast_but_not_a_widening_one():
+    import torch
+
+    from opake_fx.errors import InputValueError
+    from opake_fx.types import ClippedPytree, NoisedPytree
+
+    g = ClippedPytree({"w": torch.ones(3), "b": torch.ones(1, dtype=torch.bfloat16)}, max_norm=0.25)
+    wide = g.to(torch.float64)
+    assert wide.max_norm == 0.25 and all(t.dtype == torch.float64 for t in wide.pytree.values())
+    assert g.to("cpu").max_norm == 0.25
+    for narrow in (torch.bfloat16, torch.float16, torch.int32):
+        with pytest.raises(InputValueError, match="round the clipped sum"):
+            g.to(narrow)
+    half = ClippedPytree((torch.ones(2, dtype=torch.float16),), max_norm=1.0)
+    with pytest.raises(InputValueError):
+        half.to(torch.bfloat16)  # neither holds the other's values
+    noised = NoisedPytree((torch.ones(2),), max_norm=0.25, noise_stddev=1.0)
+    out = noised.to(torch.bfloat16)  # post-processing
+    assert out.pytree[0].dtype == torch.bfloat16 and out.noise_stddev == 1.0
