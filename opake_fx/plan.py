@@ -329,6 +329,7 @@ class DPPlan:
         rank = get_rank() if rank is None else rank
         start, stop = shard_bounds(self.dataset_size, rank, world_size)
         local_key = fold_in(key, rank) if world_size > 1 else key
+        self._claim_keys(("sampler", key), ("sampler", local_key))
         shard = range(start, stop)
         if self.sampling == "cyclic_poisson":
             from opake_fx.dpftrl.sampling import CyclicPoissonSampler
@@ -415,6 +416,11 @@ class DPPlan:
         from opake_fx.dpsgd import adaptive_clip, auto_clip, clip, noise
         from opake_fx.transforms import named_chain
 
+        if not isinstance(key, RngKey):
+            raise InputTypeError(f"DPPlan.pipeline needs key=opake_fx.random.key(seed) (the noise key); got {type(key).__name__}.")
+        self._claim_keys(("noise", key), *[(r, k) for r, k in (("count", count_key), ("augmentation", augment_key))
+                                           if isinstance(k, RngKey)])
+
         if self.mechanism != "gaussian":
             from opake_fx.dpftrl import noise as mf_noise
 
@@ -473,6 +479,28 @@ class DPPlan:
             ("noise", noise_stage),
             ("opt", optimizer),
         )
+
+    def _claim_keys(self, *roles: tuple[str, RngKey]) -> None:
+        """Records each ``(role, key)`` as one of this plan's keys; refuses a key that
+        already has another role.
+
+        The sampler, the noise, the adaptive count and the augmentation must draw from
+        independent keys: one key in two roles makes, e.g., the noise a function of the
+        same random bits as the choice of the batch. All are checked before any is
+        recorded, so a refused call changes nothing.
+        """
+        used = dict(self.__dict__.get("_key_roles", {}))
+        for role, k in roles:
+            other = used.get(k)
+            if other is not None and other != role:
+                raise InputValueError(
+                    f"DPPlan: {k!r} is already this plan's {other} key; the {role} key must be another one. One key "
+                    "in two roles ties the two random draws together (e.g. the noise to the choice of the batch). "
+                    "Derive independent keys, e.g. sampler_key, noise_key, count_key = split(key(seed), 3) (for "
+                    "several runs from one plan, one split per run: keys distinct across runs too)."
+                )
+            used.setdefault(k, role)
+        object.__setattr__(self, "_key_roles", used)  # (not a field: outside equality, hashing and to_dict)
 
     @property
     def step_cost(self) -> Any:

@@ -121,6 +121,33 @@ def test_the_pipeline_and_accountant_match_the_plan():
     assert state["noise"].step == plan.steps
 
 
+def test_one_key_in_two_roles_is_refused_and_changes_nothing():
+    plan = _plan(dataset_size=1000, batch_size=50, steps=20, target_epsilon=2.0)
+    f = lambda p, x: ((x - p) ** 2).sum()  # noqa: E731
+    plan.sampler(list(range(1000)), key(1))
+    with pytest.raises(InputValueError, match="already this plan's sampler key"):
+        plan.pipeline(f, sgd(0.1), key=key(1), batch_argnums=(1,))
+    # a rank's derived sampler key is the sampler's too
+    from opake_fx.random import fold_in
+
+    plan.sampler(list(range(1000)), key(2), rank=1, world_size=2)
+    with pytest.raises(InputValueError, match="sampler key"):
+        plan.pipeline(f, sgd(0.1), key=fold_in(key(2), 1), batch_argnums=(1,))
+    # the same key again in the same role is fine (rebuilding a pipeline to resume)
+    plan.pipeline(f, sgd(0.1), key=key(0), batch_argnums=(1,))
+    plan.pipeline(f, sgd(0.1), key=key(0), batch_argnums=(1,))
+    with pytest.raises(InputValueError, match="already this plan's noise key"):
+        plan.sampler(list(range(1000)), key(0))
+    adaptive = _plan(dataset_size=1000, batch_size=50, steps=20, target_epsilon=2.0, clipping_mode="adaptive")
+    with pytest.raises(InputValueError, match="noise key; the count key"):
+        adaptive.pipeline(f, sgd(0.1), key=key(5), count_key=key(5), batch_argnums=(1,))
+    # the refused call recorded nothing: key(5) may still be the sampler's
+    adaptive.sampler(list(range(1000)), key(5))
+    # the roles are not part of the plan's value
+    assert plan == _plan(dataset_size=1000, batch_size=50, steps=20, target_epsilon=2.0)
+    assert "_key_roles" not in plan.to_dict()
+
+
 def _script():
     spec = importlib.util.spec_from_file_location("plan_digits", Path(__file__).parents[1] / "examples" / "plan_digits.py")
     module = importlib.util.module_from_spec(spec)
