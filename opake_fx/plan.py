@@ -830,6 +830,42 @@ class DPPlan:
 _RUNNING_SLACK = 1e-4
 
 
+def regex_norms(norms: Any, where: str, hint: str = "") -> tuple[dict[str, re.Pattern[str]], dict[str, float]]:
+    """Validates per-group clip norms given as ``{regex: C_g, ..., "fallback": C}``.
+
+    Returns the compiled regexes (``"fallback"`` excluded) and the norms, in the dict's
+    order. The one check of this form, for :func:`per_group_by_regex` and the trainer's
+    ``TrainingArguments(clipping_norm={...})``.
+
+    Raises:
+        InputTypeError: ``norms`` is not a dict, or a key is not a string.
+        InputValueError: an empty dict, a norm that is not finite and > 0 (``hint`` is
+            appended), a key that is not a valid regular expression.
+
+    Example:
+        >>> rx, values = regex_norms({"attn": 1.0, "fallback": 2.0}, "example")
+        >>> list(rx), values
+        (['attn'], {'attn': 1.0, 'fallback': 2.0})
+    """
+    if not isinstance(norms, Mapping):
+        raise InputTypeError(f"{where}: per-group norms must be a dict of regex -> norm (with 'fallback'); got "
+                             f"{type(norms).__name__}.")
+    if not norms:
+        raise InputValueError(f"{where}: clipping_norm={{}} has no group; give {{regex: norm, ..., 'fallback': norm}} or one float.")
+    compiled: dict[str, re.Pattern[str]] = {}
+    values: dict[str, float] = {}
+    for pattern, norm in norms.items():
+        if not isinstance(pattern, str):
+            raise InputTypeError(f"{where}: clipping_norm's keys are parameter-name regexes (strings); got {pattern!r}.")
+        values[pattern] = check.positive(norm, f"clipping_norm[{pattern!r}]", where, hint)
+        if pattern != "fallback":
+            try:
+                compiled[pattern] = re.compile(pattern)
+            except re.error as err:
+                raise InputValueError(f"{where}: clipping_norm key {pattern!r} is not a valid regular expression ({err}).") from None
+    return compiled, values
+
+
 def per_group_by_regex(params: Any, names: Sequence[str], norms: Mapping[str, float]) -> PerGroup:
     """Per-group clip norms from parameter-name regexes: ``{regex: C_g, ..., "fallback": C}``.
 
@@ -863,20 +899,7 @@ def per_group_by_regex(params: Any, names: Sequence[str], norms: Mapping[str, fl
     from opake_fx.dpsgd.clipping import per_group
 
     where = "clipping_norm"
-    if not isinstance(norms, Mapping) or not norms:
-        raise InputTypeError(f"{where}: per-group norms must be a non-empty dict of regex -> norm (with 'fallback').")
-    compiled: dict[str, re.Pattern[str]] = {}
-    values: dict[str, float] = {}
-    for pattern, norm in norms.items():
-        if not isinstance(pattern, str):
-            raise InputTypeError(f"{where}: the keys are parameter-name regexes (strings); got {pattern!r}.")
-        values[pattern] = check.positive(norm, f"{where}[{pattern!r}]", "per-group clipping",
-                                         "Each group's clip norm is a finite number > 0.")
-        if pattern != "fallback":
-            try:
-                compiled[pattern] = re.compile(pattern)
-            except re.error as err:
-                raise InputValueError(f"{where}: {pattern!r} is not a valid regular expression ({err}).") from None
+    compiled, values = regex_norms(norms, "per-group clipping", "Each group's clip norm is a finite number > 0.")
     names = [str(n) for n in names]
     owner: dict[str, str] = {}
     for name in names:

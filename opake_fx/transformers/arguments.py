@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,27 +286,10 @@ class TrainingArguments(transformers.TrainingArguments):
             )
 
     def _check_per_group_norms(self, norms: dict) -> None:
-        if not norms:
-            raise InputValueError(
-                "TrainingArguments: clipping_norm={} has no group; give {regex: norm, ..., 'fallback': norm} or one float."
-            )
-        for pattern, value in norms.items():
-            if not isinstance(pattern, str):
-                raise InputTypeError(
-                    f"TrainingArguments: clipping_norm's keys are parameter-name regexes (strings); got {pattern!r}."
-                )
-            if not (_is_real(value) and 0 < value < math.inf):
-                raise InputValueError(
-                    f"TrainingArguments: clipping_norm[{pattern!r}] must be a finite norm > 0; got {value!r}. "
-                    "(For no clipping at all, give clipping_norm=math.inf with privacy_noise_multiplier=0.)"
-                )
-            if pattern != "fallback":
-                try:
-                    re.compile(pattern)
-                except re.error as err:
-                    raise InputValueError(
-                        f"TrainingArguments: clipping_norm key {pattern!r} is not a valid regular expression ({err})."
-                    ) from None
+        from opake_fx.plan import regex_norms
+
+        regex_norms(norms, "TrainingArguments",
+                    "(For no clipping at all, give clipping_norm=math.inf with privacy_noise_multiplier=0.)")
         if self.clipping_mode != "fixed":
             raise InputValueError(
                 f"TrainingArguments: per-group clipping_norm (a dict) goes with clipping_mode='fixed' only; "

@@ -133,7 +133,7 @@ def test_per_group_regexes_that_do_not_fit_the_trainable_parameters_are_errors_a
     ({"clipping_norm": {"lora_A": 1.0, "fallback": 1.0}, "clipping_mode": "adaptive"}, InputValueError,
      "per-group clipping_norm .*clipping_mode='adaptive' tracks one norm"),
     ({"clipping_norm": {"lora_A": math.inf, "fallback": 1.0}}, InputValueError,
-     r"clipping_norm\['lora_A'\] must be a finite norm > 0.*math.inf"),
+     r"clipping_norm\['lora_A'\] must be finite and > 0.*math.inf"),
     ({"clipping_norm": {"(": 1.0}}, InputValueError, "clipping_norm key '\\(' is not a valid regular expression"),
     ({"clipping_norm": {}}, InputValueError, "clipping_norm=\\{\\} has no group"),
     ({"clipping_norm": {1: 1.0}}, InputTypeError, "clipping_norm's keys are parameter-name regexes"),
