@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 
 from opake_fx._noise_input import MAX_STEPS, check_clipped_input, check_noise_multiplier, check_noise_state
@@ -41,7 +42,7 @@ from opake_fx._noise_prefetch import NoisePrefetcher
 from opake_fx.distributed.agreement import AgreementCheck
 from opake_fx.typing import typechecked
 from opake_fx.errors import InputTypeError, InputValueError
-from opake_fx.pytree import tree_flatten_with_paths
+from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths
 from opake_fx.random import RngKey, flat_tree_normal, fold_in, tree_normal
 from opake_fx.secure_random import add_secure_gaussian
 from opake_fx.pipeline_privacy import StagePrivacy
@@ -213,7 +214,10 @@ def gaussian_noise(
                 noise_stddev=std2,
             )
             return SecondMomentNoiseOutput(out1, out2), new_state
-        std = noise_stddev_for(clipped.max_norm, noise_multiplier, allocation)
+        # (the scalar case inline: the checked noise_stddev_for costs more than the rest of this line)
+        max_norm = clipped.max_norm
+        std = (noise_multiplier * max_norm if type(max_norm) is float and noise_multiplier > 0.0
+               else noise_stddev_for(max_norm, noise_multiplier, allocation))
         noised = _noised(clipped.pytree, state.key, state.step, std, exact, secure, prefetcher)
         return NoisedPytree(noised, clipped.max_norm, noise_stddev=std), new_state
 
@@ -359,8 +363,12 @@ def _noised(
     """
     if not isinstance(std, PerGroup) and std == 0.0:
         return pytree
-    paths, leaves, spec = tree_flatten_with_paths(pytree)
-    stds = [std.for_path(p) for p in paths] if isinstance(std, PerGroup) else float(std)
+    if isinstance(std, PerGroup):
+        paths, leaves, spec = tree_flatten_with_paths(pytree)
+        stds: Any = [std.for_path(p) for p in paths]
+    else:
+        leaves, spec = optree.tree_flatten(pytree, namespace=NAMESPACE)
+        stds = float(std)
     if prefetcher is None:
         return spec.unflatten(add_gaussian_noise(leaves, fold_in(key, step), stds, exact=exact, secure=secure))
     noised = add_gaussian_noise(leaves, fold_in(key, step), stds, draw=prefetcher.draw)
