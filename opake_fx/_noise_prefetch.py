@@ -118,7 +118,7 @@ class NoisePrefetcher:
         self.hits = 0
         """How many draws were served from a prefetch (for tests and benchmarks)."""
         self._misses = 0  # pending draws dropped in a row (e.g. a clip norm that adapts every step)
-        self._auto: tuple[Any, int, bool] | None = None  # (layout, torch threads, whether auto draws ahead)
+        self._auto: tuple[Any, bool] | None = None  # ((layout, torch threads), whether auto draws ahead)
 
     def draw(self, step_key: RngKey, leaves: Sequence[torch.Tensor], stddev: float) -> Draw:
         """``flat_tree_normal(step_key, leaves, stddev=stddev)``, from the pending draw if it matches."""
@@ -155,12 +155,6 @@ class NoisePrefetcher:
         if self._last is None or self.enabled is False:
             return
         layout, stddev = self._last
-        if self.enabled is None:  # auto: decided once per layout and thread count
-            threads = torch.get_num_threads()
-            if self._auto is None or self._auto[:2] != (layout, threads):
-                self._auto = (layout, threads, prefetch_by_default([_LeafSpec(*spec) for spec in layout]))  # type: ignore[misc]
-            if not self._auto[2] or self._misses >= _AUTO_MISSES:
-                return
         specs = [_LeafSpec(*spec) for spec in layout]  # type: ignore[misc]
         if self._applies(specs):
             self._start(fold_in(key, step), specs, stddev)
@@ -199,7 +193,13 @@ class NoisePrefetcher:
         if self.enabled is None:
             # Auto stops drawing ahead once two draws in a row went unused: a stddev that
             # changes every step (adaptive clipping) would otherwise draw every step twice.
-            return self._misses < _AUTO_MISSES and prefetch_by_default(leaves)
+            # Its decision is kept per leaf layout and torch thread count.
+            if self._misses >= _AUTO_MISSES:
+                return False
+            decided = (tuple((tuple(leaf.shape), leaf.dtype, leaf.device) for leaf in leaves), torch.get_num_threads())
+            if self._auto is None or self._auto[0] != decided:
+                self._auto = (decided, prefetch_by_default(leaves))
+            return self._auto[1]
         devices = {leaf.device for leaf in leaves}
         return len(devices) == 1 and next(iter(devices)).type in ("cpu", "cuda")
 

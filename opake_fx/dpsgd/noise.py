@@ -214,10 +214,7 @@ def gaussian_noise(
                 noise_stddev=std2,
             )
             return SecondMomentNoiseOutput(out1, out2), new_state
-        # (the scalar case inline: the checked noise_stddev_for costs more than the rest of this line)
-        max_norm = clipped.max_norm
-        std = (noise_multiplier * max_norm if type(max_norm) is float and noise_multiplier > 0.0
-               else noise_stddev_for(max_norm, noise_multiplier, allocation))
+        std = noise_stddev_for(clipped.max_norm, noise_multiplier, allocation)
         noised = _noised(clipped.pytree, state.key, state.step, std, exact, secure, prefetcher)
         return NoisedPytree(noised, clipped.max_norm, noise_stddev=std), new_state
 

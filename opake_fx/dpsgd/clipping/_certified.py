@@ -249,11 +249,9 @@ def _gram_sq_norms_float32(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tens
     aa = torch.bmm(a3, a3.transpose(1, 2))
     gg = torch.bmm(g3, g3.transpose(1, 2))
     # The Grams' diagonals are the rows' float32 dot products: their squared norms, with the
-    # bound of _row_sq_upper32 (a's row 0, g's row 1).
-    diag = torch.stack((aa.diagonal(dim1=1, dim2=2), gg.diagonal(dim1=1, dim2=2))).to(torch.float64)  # [2, n, T]
-    add = torch.tensor([(d_in + 2) * TINY32, (d_out + 2) * TINY32], dtype=torch.float64, device=diag.device)
-    mul = torch.tensor([_inverse_margin(d_in), _inverse_margin(d_out)], dtype=torch.float64, device=diag.device)
-    rows_sq = (diag + add.view(2, 1, 1)).mul_((mul * (1.0 + gamma(4, torch.float64))).view(2, 1, 1))
+    # same bound (a's row 0, g's row 1).
+    rows_sq = torch.stack((_row_sq_upper32(aa.diagonal(dim1=1, dim2=2), d_in),
+                           _row_sq_upper32(gg.diagonal(dim1=1, dim2=2), d_out)))  # [2, n, T]
     out_of_range = ~(rows_sq.amax(dim=2) < _RANGE32).all(dim=0).view(b, groups).all(dim=1)  # (NaN too)
     up = 1.0 + 2.0**-50  # sqrt and products of these few float64 values
     norms = rows_sq.sqrt_().mul_(up)  # [2, n, T]: upper bounds of |a_t| and |g_t|
