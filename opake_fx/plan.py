@@ -40,7 +40,7 @@ from opake_fx.random import RngKey, fold_in
 from opake_fx.types import PerGroup
 
 __all__ = ["DPPlan", "Participation", "SAMPLERS", "MECHANISMS", "COMPATIBLE", "CLIPPING_MODES", "CLIPPING_KWARGS",
-           "per_group_by_regex"]
+           "check_clipping_kwargs", "per_group_by_regex", "regex_norms"]
 
 SAMPLERS = ("poisson", "truncated_poisson", "cyclic_poisson", "b_min_sep", "balls_in_bins")
 """The samplers a plan can use; each comes with its own accounting."""
@@ -959,19 +959,33 @@ def _clipping_norm(c: Any) -> float | PerGroup:
     return v
 
 
-def _clipping_kwargs(mode: str, given: Any, batch_size: float) -> dict[str, float]:
-    """The clipping mode's options, checked and filled in with their defaults (sorted by name)."""
+def check_clipping_kwargs(mode: str, given: Any, where: str) -> Mapping[str, Any]:
+    """``clipping_kwargs`` for ``mode`` (``None`` is ``{}``): a dict whose keys the mode takes
+    (:data:`CLIPPING_KWARGS`); the values are checked where the plan fills in the defaults.
+
+    Raises:
+        InputTypeError: not a dict.
+        InputValueError: a key ``mode`` does not take.
+
+    Example:
+        >>> check_clipping_kwargs("auto", {"gamma": 0.1}, "example")
+        {'gamma': 0.1}
+    """
     given = {} if given is None else given
     if not isinstance(given, Mapping):
-        raise InputTypeError(f"DPPlan: clipping_kwargs must be a dict (or None); got {type(given).__name__}.")
+        raise InputTypeError(f"{where}: clipping_kwargs must be a dict (or None); got {type(given).__name__}.")
     allowed = CLIPPING_KWARGS[mode]
     unknown = sorted(str(k) for k in set(given) - set(allowed))
     if unknown:
         takes = sorted(allowed) if allowed else "none"
-        raise InputValueError(
-            f"DPPlan: clipping_kwargs {unknown} do not apply to clipping_mode={mode!r}, which takes {takes}."
-        )
-    out = {**allowed, **given}
+        raise InputValueError(f"{where}: clipping_kwargs {unknown} do not apply to clipping_mode={mode!r}, which takes {takes}.")
+    return given
+
+
+def _clipping_kwargs(mode: str, given: Any, batch_size: float) -> dict[str, float]:
+    """The clipping mode's options, checked and filled in with their defaults (sorted by name)."""
+    given = check_clipping_kwargs(mode, given, "DPPlan")
+    out = {**CLIPPING_KWARGS[mode], **given}
     where = f"DPPlan(clipping_mode={mode!r})"
     if mode == "auto":
         out["gamma"] = check.non_negative(out["gamma"], "clipping_kwargs['gamma']", where,

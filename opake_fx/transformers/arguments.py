@@ -299,18 +299,10 @@ class TrainingArguments(transformers.TrainingArguments):
             )
 
     def _check_clipping_mode(self) -> None:
-        from opake_fx.plan import CLIPPING_KWARGS
+        from opake_fx.plan import check_clipping_kwargs
 
-        mode, kwargs = self.clipping_mode, self.clipping_kwargs or {}
-        if not isinstance(kwargs, dict):
-            raise InputTypeError(f"TrainingArguments: clipping_kwargs must be a dict or None; got {type(kwargs).__name__}.")
-        unknown = sorted(str(k) for k in set(kwargs) - set(CLIPPING_KWARGS[mode]))
-        if unknown:
-            takes = sorted(CLIPPING_KWARGS[mode]) or "none"
-            raise InputValueError(
-                f"TrainingArguments: clipping_kwargs {unknown} do not apply to clipping_mode={mode!r}, which takes "
-                f"{takes}."
-            )
+        mode = self.clipping_mode
+        check_clipping_kwargs(mode, self.clipping_kwargs, "TrainingArguments")
         if mode == "adaptive" and self.privacy_noise_mechanism != "gaussian":
             raise InputValueError(
                 f"TrainingArguments: clipping_mode='adaptive' needs privacy_noise_mechanism='gaussian'; DP-FTRL "
