@@ -97,7 +97,8 @@ class _NormBackend:
     def layout(self, loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: ClipConfig,
                batch: int) -> BatchLayout:
         """The batch layout for this call signature (probed once, then cached); refuses a model
-        that mixes examples."""
+        that mixes examples (:mod:`._independence`), and gives an empty layout (every parameter on
+        the exact per-example path) while independence is undecided."""
         key = (id(loss_fn), signature(args, kwargs, cfg.batch_argnums, self.root.training))
         layout = self.layouts.get(key)
         if layout is None or (batch >= 2 and not layout.mixing_checked):
@@ -107,6 +108,9 @@ class _NormBackend:
             self.layouts[key] = layout
         if layout.mixing is not None:
             raise InputValueError(layout.mixing)
+        if batch >= 2 and not layout.mixing_checked:  # independence undecided (too few finite examples)
+            return BatchLayout(exact="independence of examples could not be decided on this batch (fewer than two "
+                                     "of its first examples have a finite loss); checked again at the next call")
         return layout
 
     def __call__(self, loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: ClipConfig) -> PerExampleNorms:
@@ -364,8 +368,9 @@ class _Capture:
             if self.recording:
                 self.whole.update(names.values())
                 shapes = [tuple(t.shape) for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-                reason = (f"its module was called without the batch ({self.batch} examples) as first dimension of its "
-                          f"input and outputs, as found by probing (or undecidable): inputs {shapes}")
+                reason = self.layout.exact or (
+                    f"its module was called without the batch ({self.batch} examples) as first dimension of its "
+                    f"input and outputs, as found by probing (or undecidable): inputs {shapes}")
                 for n, i in names.items():
                     self.why.setdefault(i, (reason, module, n))
             return None

@@ -17,10 +17,9 @@ The same runs record the broadcasts of parameters that modules without a rule ma
 their own ``forward`` (:mod:`._rules_elementwise`), numbered within each call, so the
 elementwise rule takes a broadcast only when its first axis is proven to be the batch.
 
-The same two runs check that the model does not mix examples: examples 0 and 1 must get
-the same losses whether or not example 2 is in the batch. A parameter-free operation
-across the batch (``h - h.mean(0)``) fails that check, and the fast backends refuse the
-model with an error naming the first module call whose input already differed.
+Whether the model mixes examples is not decided here by comparing losses: once the
+layout is known, :mod:`._independence` checks it exactly (the gradient structure of the
+backward pass and each example's loss run alone), on the tensors whose rows the rules read.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from opake_fx.dpsgd.clipping import _registry
+from opake_fx.dpsgd.clipping._independence import UNDECIDED, Uncheckable, check_independence
 from opake_fx.dpsgd.clipping._rules_elementwise import watch
 from opake_fx.dpsgd.clipping._rules_fallback import FALLBACK
 from opake_fx.pytree import NAMESPACE
@@ -49,10 +49,6 @@ Template = tuple[tuple[int, Shape], ...]
 
 # Sub-batch sizes of the two probe runs.
 _SIZES = (2, 3)
-# Relative difference of a loss (or a module input) between the probe runs that counts as
-# mixing; batch-size-dependent kernels differ far less (~1e-6 in float32).
-_MIXING_RTOL = 1e-3
-_UNDECIDED = "undecided"  # the mixing check could not compare any example (e.g. all losses NaN)
 
 
 @dataclass
@@ -60,7 +56,6 @@ class _Call:
     module: nn.Module
     inputs: list[Shape]  # tensor leaves of (args, kwargs), in flattening order
     outputs: list[Shape]
-    rows: torch.Tensor | None  # float64 [2, 2]: sum and abs-sum of rows 0 and 1 of the first float input
     use: int | None = None  # a broadcast of the module's own parameter (._rules_elementwise): its number
 
 
@@ -70,7 +65,8 @@ class BatchLayout:
 
     templates: dict[Any, list[tuple[Template, Template, tuple[bool, ...], tuple[bool, ...]]]] = field(default_factory=dict)
     mixing: str | None = None  # an error message, when the model mixes examples
-    mixing_checked: bool = False
+    mixing_checked: bool = False  # False: not yet decided (the exact path runs until it is)
+    exact: str | None = None  # why every call of this signature takes the exact path (no templates then)
 
     def lookup(self, module: nn.Module, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
                batch: int) -> tuple[tuple[bool, ...], tuple[bool, ...]] | None:
@@ -82,6 +78,16 @@ class BatchLayout:
                     return None  # two templates fit with different verdicts: no guess
                 found = (vin, vout)
         return found
+
+    def rows_per_example(self, module: nn.Module, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+                         batch: int) -> list[int]:
+        """1 for each output the rules read as batched (first axis the batch), else 0."""
+        found = self.lookup(module, inputs, outputs, batch)
+        return [int(v) for v in found[1]] if found is not None else [0] * len(outputs)
+
+    def broadcast_rows(self, module: nn.Module, use: int, expanded: torch.Tensor, batch: int) -> int:
+        """1 when the elementwise rule reads the broadcast ``use`` as batched, else 0."""
+        return int(self.lookup_use(module, use, expanded, batch))
 
     def lookup_use(self, module: nn.Module, use: int, expanded: torch.Tensor, batch: int) -> bool:
         """Whether the broadcast ``use`` (numbered within a call of ``module``) gave a tensor whose
@@ -102,7 +108,7 @@ def probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], k
     Returns an empty layout (every call undecidable) when the loss cannot run on the
     sub-batches or the two runs call different modules.
     """
-    runs: list[tuple[list[_Call], torch.Tensor | None]] = []
+    runs: list[list[_Call]] = []
     modes = [(m, m.training) for m in root.modules()]
     try:
         root.eval()  # deterministic: dropout off (the shapes do not depend on it)
@@ -125,12 +131,11 @@ def probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], k
             finally:
                 for h in handles:
                     h.remove()
-            losses = out[0] if has_aux and isinstance(out, tuple) else out
-            runs.append((calls, losses.detach().double() if isinstance(losses, torch.Tensor) else None))
+            runs.append(calls)
     finally:
         for m, mode in modes:
             m.training = mode
-    (small, loss_small), (large, loss_large) = runs
+    small, large = runs
     if len(small) != len(large) or any(a.module is not b.module or len(a.inputs) != len(b.inputs)
                                        or len(a.outputs) != len(b.outputs) for a, b in zip(small, large)):
         return BatchLayout()
@@ -145,8 +150,11 @@ def probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], k
         if entry not in layout.templates.setdefault(key, []):
             layout.templates[key].append(entry)
     if batch >= 2:  # with one distinct example nothing can mix
-        found = _mixing(root, small, large, loss_small, loss_large)
-        if found is not _UNDECIDED:  # else checked again at the next call
+        found = check_independence(root, loss_fn, args, kwargs, batch_argnums, has_aux, batch, layout.rows_per_example,
+                                   _broadcast_candidate, layout.broadcast_rows)
+        if isinstance(found, Uncheckable):
+            return BatchLayout(mixing_checked=True, exact=f"independence of examples could not be checked: {found}")
+        if found != UNDECIDED:  # else checked again at the next call (the exact path runs meanwhile)
             layout.mixing_checked, layout.mixing = True, found
     return layout
 
@@ -191,19 +199,14 @@ def tensor_leaves(tree: Any) -> list[torch.Tensor]:
 def _recorder(calls: list[_Call]) -> Callable[..., None]:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         inputs = tensor_leaves((args, kwargs))
-        first = next((t for t in inputs if t.is_floating_point() and t.dim() > 0 and t.shape[0] >= 2), None)
-        rows = None
-        if first is not None:
-            r = first[:2].reshape(2, -1).double()
-            rows = torch.stack([r.sum(dim=1), r.abs().sum(dim=1)])
-        calls.append(_Call(module, [tuple(t.shape) for t in inputs], [tuple(t.shape) for t in tensor_leaves(output)], rows))
+        calls.append(_Call(module, [tuple(t.shape) for t in inputs], [tuple(t.shape) for t in tensor_leaves(output)]))
 
     return hook
 
 
 def _use_recorder(calls: list[_Call]) -> Callable[[nn.Module, int, str, torch.Tensor], torch.Tensor]:
     def on_use(module: nn.Module, use: int, name: str, expanded: torch.Tensor) -> torch.Tensor:
-        calls.append(_Call(module, [], [tuple(expanded.shape)], None, use))
+        calls.append(_Call(module, [], [tuple(expanded.shape)], use))
         return expanded
 
     return on_use
@@ -238,34 +241,3 @@ def _matches(template: Template, tensors: list[torch.Tensor], batch: int) -> boo
         elif k == 0 and tuple(t.shape) != shape:
             return False
     return True
-
-
-def _mixing(root: nn.Module, small: list[_Call], large: list[_Call], loss_small: torch.Tensor | None,
-            loss_large: torch.Tensor | None) -> str | None:
-    if loss_small is None or loss_large is None or loss_small.shape != (2,) or loss_large.shape != (3,):
-        return _UNDECIDED  # not per-example losses: the backend reports that itself
-    # A non-finite loss (an attacker's NaN example, an overflow) says nothing about mixing: such
-    # examples get weight 0 anyway. Compare the examples finite in both runs.
-    finite = torch.isfinite(loss_small) & torch.isfinite(loss_large[:2])
-    if not bool(finite.any()):
-        return _UNDECIDED
-    scale = float(loss_large[:2][finite].abs().max()) + 1e-30
-    diff = float((loss_small - loss_large[:2])[finite].abs().max())
-    if diff <= _MIXING_RTOL * scale:
-        return None
-    paths = {id(m): p or type(m).__name__ for p, m in root.named_modules()}
-    where = ""
-    for a, b in zip(small, large):
-        if a.rows is None or b.rows is None:
-            continue
-        if float(torch.nan_to_num((a.rows - b.rows).abs(), nan=0.0).max()) > _MIXING_RTOL * (
-                float(torch.nan_to_num(b.rows.abs(), nan=0.0).max()) + 1e-30):
-            where = f" It happens before the call of module '{paths.get(id(a.module), '?')}', whose input for examples 0 and 1 already differs."
-            break
-    return (
-        "the model mixes examples: the losses of examples 0 and 1 change when example 2 joins the batch "
-        f"({loss_small.tolist()} alone vs {loss_large[:2].tolist()} with it; eval mode, no dropout).{where} The fast "
-        "clipping backends ('ghost', 'auto') take row i of each layer's output gradient as example i's, which "
-        "holds only if no computation combines examples (batch statistics such as h - h.mean(0), or "
-        "BatchNorm in training). Remove the mixing, or use clip_backend='vmap', which runs each example alone."
-    )

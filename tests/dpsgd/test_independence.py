@@ -1,0 +1,242 @@
+"""The fast backends refuse every model or loss in which one example reads another.
+
+Each class below is an attack from the privacy review (issue 27, item 3): a forward that
+lets example i read example i-1 (differentiably, or through a detached or integer path),
+a custom autograd.Function whose forward is the identity and whose backward mixes the
+batch, a small batch-mean term in the loss, a loss scaled by the batch size. Before the
+exact guard, the forward probe (losses of examples 0 and 1 with and without example 2,
+1e-3 relative) let all of them train. Each is checked against the leave-one-out
+sensitivity it would have had: the clipped sum moves by more than C when one example is
+removed, so accepting it would have been a privacy bug, not a style issue.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from opake_fx.dpsgd.clipping import clipped_grad
+from opake_fx.dpsgd.clipping._independence import FORWARD_RTOL, PROBE_EXAMPLES
+from opake_fx.errors import InputValueError
+from opake_fx.functional import make_functional
+
+BACKENDS = ["ghost", "auto"]
+D = 5
+
+
+def _shift(h: torch.Tensor) -> torch.Tensor:
+    """Row i becomes row i - 1 (row 0 becomes zeros): example i reads its predecessor only,
+    so examples 0 and 1 see the same neighbours in batches of 2 and 3 (the old probe's blind spot)."""
+    return torch.cat([torch.zeros_like(h[:1]), h[:-1]])
+
+
+class ReadsPredecessor(nn.Module):
+    def __init__(self, detach: bool = False, weight: float = 0.5) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, 8), nn.Linear(8, 1)
+        self.detach, self.weight = detach, weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        prev = _shift(h)
+        h = h + self.weight * (prev.detach() if self.detach else prev)
+        return self.b(h)[:, 0]
+
+
+class _MixingBackward(torch.autograd.Function):
+    """The identity forward; a backward that adds each example's gradient to its successor's row."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        return g + torch.roll(g, 1, 0)
+
+
+class MixesInBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_MixingBackward.apply(torch.tanh(self.a(x))))[:, 0]
+
+
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _labels(x: torch.Tensor) -> torch.Tensor:
+    return (x[:, 0] > 0).long() + (x[:, 1] > 0).long()  # in 0..2, from each example's own features
+
+
+def _clip(model: nn.Module, loss, backend: str, x: torch.Tensor, c: float = 1.0):
+    fmodel, params = make_functional(model)
+    fn, state = clipped_grad(lambda p, xb, yb: loss(fmodel(p, xb), yb), clipping_norm=c, batch_argnums=(1, 2),
+                             clip_backend=backend, model=fmodel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(params, x, _labels(torch.nan_to_num(x)), state=state)
+
+
+def _leave_one_out(model: nn.Module, loss, x: torch.Tensor, c: float = 1.0) -> float:
+    """||clipped sum(x) - clipped sum(x without its first example)|| / C with the vmap backend's
+    clip of the BATCHED loss taken at face value (what accepting the model would release)."""
+    fmodel, params = make_functional(model)
+    params = tuple(p.detach().requires_grad_(True) for p in params)
+
+    def clipped_sum(xb: torch.Tensor) -> torch.Tensor:
+        total = None
+        for i in range(xb.shape[0]):
+            g = torch.autograd.grad(loss(fmodel(params, xb), _labels(xb))[i], params)
+            flat = torch.cat([t.reshape(-1) for t in g])
+            flat = flat * min(1.0, c / float(flat.norm()))
+            total = flat if total is None else total + flat
+        return total
+
+    return float((clipped_sum(x) - clipped_sum(x[1:])).norm()) / c
+
+
+def _identity(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return out
+
+
+def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, y, reduction="none")
+
+
+def _batch_mean_term(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return _ce(out + 0.01 * out.mean(0), y)  # a 1% batch-mean term
+
+
+def _scaled_by_batch(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    z = _ce(out, y)
+    return z * (4.0 / z.shape[0])  # reads the batch size: removing one example rescales all others
+
+
+ATTACKS = {
+    "reads-predecessor": (lambda: ReadsPredecessor(), _identity),
+    "reads-predecessor-detached": (lambda: ReadsPredecessor(detach=True), _identity),
+    "mixing-backward": (lambda: MixesInBackward(), _identity),
+    "batch-mean-1pct": (lambda: Plain(), _batch_mean_term),
+    "scaled-by-batch-size": (lambda: Plain(), _scaled_by_batch),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_every_mixing_attack_is_refused(attack, backend):
+    make, loss = ATTACKS[attack]
+    torch.manual_seed(0)
+    model = make().double()
+    x = torch.randn(7, D, dtype=torch.float64)
+    with pytest.raises(InputValueError, match="mixes examples"):
+        _clip(model, loss, backend, x)
+
+
+@pytest.mark.parametrize("attack", ["reads-predecessor", "reads-predecessor-detached", "mixing-backward"])
+def test_the_attacks_are_real_privacy_bugs(attack):
+    # What refusing them protects: with the batched loss taken at face value, removing one example
+    # moves the clipped sum by more than C (C / 1 is the bound the accountant assumes).
+    make, loss = ATTACKS[attack]
+    torch.manual_seed(0)
+    model = make().double()
+    x = torch.randn(7, D, dtype=torch.float64) * 3
+    assert _leave_one_out(model, loss, x, c=0.05) > 1.05
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixing_beyond_the_first_examples_is_refused(backend):
+    # Only examples 5 and 6 read anything (example 6 reads example 5): no pair among the first
+    # three examples mixes, which is all the old probe compared.
+    class Late(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(D, 4), nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            if h.shape[0] > 6:
+                h = torch.cat([h[:6], h[6:7] + 0.3 * h[5:6], h[7:]])
+            return self.b(h)[:, 0]
+
+    torch.manual_seed(1)
+    with pytest.raises(InputValueError, match="mixes examples"):
+        _clip(Late().double(), _identity, backend, torch.randn(PROBE_EXAMPLES, D, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_detached_read_just_above_the_tolerance_is_refused(backend):
+    # Non-differentiable mixing is seen only through loss values; the tolerance is FORWARD_RTOL of
+    # the loss. Mixing at 4x the tolerance must be refused (this kills a tenfold-raised threshold).
+    class Faint(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(D, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            own = self.a(x)[:, 0]
+            # +-1 from the predecessor's first feature (+1 for an example alone); no gradient path
+            s = torch.sign(_shift(x[:, :1])[:, 0] + 1e-3).detach()
+            return own * (1 + 4 * FORWARD_RTOL * s)  # moves 8 tolerances when s flips
+
+    torch.manual_seed(2)
+    model = Faint().double()
+    with torch.no_grad():
+        model.a.bias.fill_(3.0)
+    with pytest.raises(InputValueError, match="mixes examples"):
+        _clip(model, _identity, backend, torch.randn(6, D, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_independent_models_pass_and_match_vmap(backend):
+    torch.manual_seed(3)
+    model = Plain().double()
+    x = torch.randn(9, D, dtype=torch.float64)
+    loss = _ce
+    fast, _ = _clip(model, loss, backend, x, c=0.2)
+    ref, _ = _clip(model, loss, "vmap", x, c=0.2)
+    for a, b in zip(fast.pytree, ref.pytree):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float32_models_are_checked_too(backend):
+    torch.manual_seed(4)
+    with pytest.raises(InputValueError, match="mixes examples"):
+        _clip(Plain(), _batch_mean_term, backend, torch.randn(7, D))
+    loss = _ce
+    _clip(Plain(), _ce, backend, torch.randn(7, D))  # and an independent one passes
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_finite_examples_do_not_hide_mixing(backend):
+    torch.manual_seed(5)
+    x = torch.randn(7, D, dtype=torch.float64)
+    x[0, 0] = float("nan")  # the first example (the old probe's) is NaN
+    with pytest.raises(InputValueError, match="mixes examples"):
+        _clip(MixesInBackward().double(), _identity, backend, x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_finite_examples_alone_are_not_mixing(backend):
+    torch.manual_seed(6)
+    model = Plain().double()
+    x = torch.randn(7, D, dtype=torch.float64)
+    x[2, 1] = float("nan")
+    x[5, 0] = float("inf")
+    loss = _ce
+    fast, _ = _clip(model, loss, backend, x, c=0.2)
+    ref, _ = _clip(model, loss, "vmap", x, c=0.2)
+    for a, b in zip(fast.pytree, ref.pytree):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
