@@ -626,9 +626,16 @@ class DPPlan:
         # room for the accountant's step-by-step composition (up to ~1e-5 above the one-shot one).
         eps = self.target_epsilon if self.target_epsilon is not None else self.epsilon() * (1.0 + _RUNNING_SLACK)
         if math.isinf(eps):
+            if self.noise_multiplier == 0:
+                raise InputValueError(
+                    "DPPlan.accountant: this plan has noise_multiplier=0 (a non-private baseline, epsilon = inf); "
+                    "there is no budget to account against."
+                )
             raise InputValueError(
-                "DPPlan.accountant: this plan has noise_multiplier=0 (a non-private baseline, epsilon = inf); "
-                "there is no budget to account against."
+                f"DPPlan.accountant: with noise_multiplier={self.noise_multiplier:g} the planned run's epsilon at "
+                f"delta={delta:g} is infinite (no finite epsilon bounds it), so there is no budget to account "
+                "against. Give a noise multiplier that yields a finite epsilon (or target_epsilon to calibrate one), "
+                "or noise_multiplier=0 for an explicit non-private baseline."
             )
         return acc.Accountant(acc.epsilon_budget(eps, delta, accountant=self.accountant_kind))
 

@@ -233,8 +233,13 @@ def _remove_curve(pair: Pair, q: float) -> CurveFn:
         with np.errstate(over="ignore"):
             out = -np.expm1(eps)
         mask = eps > l1q
+        e = eps[mask]
         with np.errstate(divide="ignore", over="ignore"):
-            inner = np.log1p(np.expm1(eps[mask]) / q)
+            # log(1 + (e^eps - 1) / q); above eps = 1 as eps - log q + log1p(-(1-q) e^-eps), which
+            # does not overflow: expm1(eps) is inf beyond eps ~ 709, and an inf here read the curve
+            # as 0 there, moving every loss above ~709 below it (an under-report of epsilon).
+            inner = np.where(e > 1.0, e - math.log(q) + np.log1p(-(1.0 - q) * np.exp(-np.maximum(e, 1.0))),
+                             np.log1p(np.expm1(np.minimum(e, 1.0)) / q))
         out[mask] = q * pair.delta(inner)
         return np.clip(out, 0.0, 1.0)
 

@@ -26,6 +26,7 @@ from opake_fx.accounting import _curves
 from opake_fx.errors import InputValueError
 
 __all__ = [
+    "LOSS_CAP",
     "Pmf",
     "GridTooLarge",
     "discretize",
@@ -41,6 +42,15 @@ __all__ = [
 TRIM_MASS = 1e-20  # single-step mass trimmed from each end (pessimistically)
 FOLD_TAIL = 1e-16  # composed mass trimmed from each end after one convolution (pessimistically)
 MAX_GRID = 2**23  # largest window / single-step grid before coarsening
+LOSS_CAP = 1000.0
+"""The largest privacy loss (in nats) a single step's grid represents; beyond it, +inf.
+
+A step whose losses reach past it (e.g. a Gaussian of noise multiplier below ~0.03: losses
+around ``1 / (2 sigma**2)``) has its mass above ``LOSS_CAP`` put at ``+inf`` and its mass
+below ``-LOSS_CAP`` rounded up, which can only raise the reported delta and epsilon; an
+epsilon that large is no privacy guarantee anyway, and the cut keeps the grid finite (a
+noise multiplier of 1e-8 would need ~1e20 points, 1e-300 infinitely many). See
+:func:`opake_fx.accounting.pld.pld_of`, which also coarsens the grid of such steps."""
 _BAND = 1e-3  # an operand's entries below this fraction of its peak are convolved apart
 LAMBDAS = np.concatenate([2.0 ** (np.arange(-4, 11) / 2.0), -(2.0 ** (np.arange(-4, 11) / 2.0))])
 """Tilts at which log-MGFs are kept for the Chernoff windows (ratio sqrt(2), 0.25 to 32)."""
@@ -185,13 +195,17 @@ class Pmf:
 
 
 def discretize(direction: _curves.Direction, d: float) -> Pmf:
-    """Pessimistic connect-the-dots PMF of one hockey-stick curve on the grid ``i * d``."""
-    if not (math.isfinite(direction.lo) and math.isfinite(direction.hi)):
-        raise GridTooLarge(MAX_GRID + 1)
+    """Pessimistic connect-the-dots PMF of one hockey-stick curve on the grid ``i * d``.
+
+    The grid spans the curve's loss range cut to ``[-LOSS_CAP, LOSS_CAP]`` (see
+    :data:`LOSS_CAP`): the mass above the top point goes to ``+inf`` and the mass below
+    the bottom one is rounded up to it, as for the range itself.
+    """
+    lo, hi = max(direction.lo, -LOSS_CAP), min(direction.hi, LOSS_CAP)  # NaN-free: the range is never NaN
     # the grid always contains 0: the curve is split as (1 - e^eps)_+ (a unit mass at
     # loss 0, exactly) plus its small excess, so no tail mass is lost to cancellation
-    i_lo = min(0, math.floor(direction.lo / d))
-    i_hi = max(0, math.ceil(direction.hi / d))
+    i_lo = min(0, math.floor(lo / d))
+    i_hi = max(0, math.ceil(hi / d))
     n = i_hi - i_lo + 1
     if n > MAX_GRID:
         raise GridTooLarge(n)

@@ -62,6 +62,7 @@ _TAIL_MASS = 1e-15  # composed mass allowed outside the FFT window (added to +in
 _FULL_CONV_LIMIT = 2**18  # below this composed length, convolve the full support exactly
 _ROUNDING_BUDGET = 5e-12  # rounding-bound mass above which FFTs switch to long double
 _EXTENDED = np.finfo(np.longdouble).eps < np.finfo(np.float64).eps  # a real extended type?
+_CAPPED_POINTS = 2**16  # grid points of a step whose loss range is cut at _pmf.LOSS_CAP
 _FOURIER_PARTS = 8  # compositions of more distinct steps are grouped, then convolved in a tree
 
 
@@ -288,12 +289,26 @@ def pld_of(components: tuple[tuple[Any, int], ...], discretization: float) -> Pr
 
     Cached per ``(components, discretization)``.
     """
-    d = float(discretization)
+    d = _grid_for(components, float(discretization))
     while True:
         try:
             return _composed(components, d)
         except _GridTooLarge as exc:
             d *= max(2, math.ceil(exc.size / _pmf.MAX_GRID))
+
+
+def _grid_for(components: tuple[tuple[Any, int], ...], d: float) -> float:
+    """``d``, or an integer multiple of it giving at most ``_CAPPED_POINTS`` points per step
+    when some step's losses reach past ``_pmf.LOSS_CAP`` (cut there, see ``discretize``).
+
+    Such a step (a noise multiplier of 1e-8, say) has an epsilon of thousands or infinity;
+    a grid fine enough to resolve 1e-4 in it would cost seconds per step (and 1e-300 could
+    not be gridded at all), while the coarser grid is as pessimistic and answers at once.
+    """
+    for leaf, _ in components:
+        if any(not (-_pmf.LOSS_CAP <= r.lo and r.hi <= _pmf.LOSS_CAP) for r in leaf._directions()):
+            return d * max(1, math.ceil(2.0 * _pmf.LOSS_CAP / _CAPPED_POINTS / d))
+    return d
 
 
 def pmfs_of(components: tuple[tuple[Any, int], ...], discretization: float) -> tuple[_Pmf, _Pmf | None]:

@@ -86,8 +86,9 @@ def delta_from_rdp(orders: Sequence[float], rdp: np.ndarray, epsilon: float) -> 
 
 
 def gaussian_rdp(sigma: float, orders: np.ndarray) -> np.ndarray:
-    """``alpha / (2 sigma^2)``."""
-    return np.asarray(orders, dtype=np.float64) / (2.0 * sigma * sigma)
+    """``alpha / (2 sigma^2)`` (``inf`` where ``sigma**2`` underflows, e.g. sigma = 1e-300)."""
+    with np.errstate(divide="ignore"):
+        return np.asarray(orders, dtype=np.float64) / (2.0 * sigma * sigma)
 
 
 def laplace_rdp(scale: float, orders: np.ndarray) -> np.ndarray:
@@ -121,6 +122,8 @@ def poisson_gaussian_rdp(q: float, sigma: float, orders: np.ndarray) -> np.ndarr
         return np.zeros_like(orders)
     if q == 1.0:
         return gaussian_rdp(sigma, orders)
+    if sigma * sigma == 0.0 or math.isinf(0.5 / (sigma * sigma)):
+        return np.full_like(orders, math.inf)  # sigma**2 underflows: no bound (the terms would be NaN)
     out = np.empty_like(orders)
     for n, a in enumerate(orders):
         if math.isinf(a):
