@@ -31,7 +31,7 @@ import optree
 import torch
 
 from opake_fx.dpsgd.clipping import _certified as cert
-from opake_fx.dpsgd.clipping._per_example import map_examples
+from opake_fx.dpsgd.clipping._per_example import autograd_grad, map_examples
 from opake_fx.dpsgd.clipping.types import ClippedGradAux, ClippingStats
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import NAMESPACE, safe_norm, tree_flatten_with_paths
@@ -181,12 +181,13 @@ def vmap_backend(loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
 
     argnums = cfg.argnums[0] if cfg.single_argnum else cfg.argnums
     grad_fn = torch.func.grad(scalar_loss, argnums=argnums, has_aux=True)
+    loop_fn = autograd_grad(scalar_loss, argnums=argnums, has_aux=True)
     if cfg.pre_clip is not None:
-        grad_fn = _with_pre_clip(grad_fn, cfg.pre_clip)
+        grad_fn, loop_fn = _with_pre_clip(grad_fn, cfg.pre_clip), _with_pre_clip(loop_fn, cfg.pre_clip)
     in_dims = tuple(0 if i in cfg.batch_argnums else None for i in range(len(args)))
     # randomness="different": dropout draws its own mask for each example, as in a batched pass;
     # where vmap cannot run the loss, an exact loop over the examples does (with a warning).
-    grads, extras = map_examples(grad_fn, in_dims, args, batch_size_of(args, cfg), what="loss_fn")
+    grads, extras = map_examples(grad_fn, in_dims, args, batch_size_of(args, cfg), what="loss_fn", loop_fn=loop_fn)
     return PerExample(optree.tree_leaves(grads, namespace=NAMESPACE), extras[0], extras[1] if cfg.has_aux else None)
 
 

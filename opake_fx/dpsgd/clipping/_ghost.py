@@ -56,7 +56,7 @@ from opake_fx.dpsgd.clipping._rules_elementwise import ELEMENTWISE, watch
 from opake_fx.dpsgd.clipping._rules_fallback import FALLBACK
 from opake_fx.dpsgd.clipping._tied import sum_of_uses
 from opake_fx.dpsgd.clipping._provenance import BatchLayout, probe, signature, tensor_leaves
-from opake_fx.dpsgd.clipping._per_example import map_examples, warn_slow_path
+from opake_fx.dpsgd.clipping._per_example import autograd_grad, map_examples, warn_slow_path
 from opake_fx.dpsgd.clipping._engine import Backend, ClipConfig, PerExampleNorms, _diff_tree, batch_size_of, vmap_backend
 from opake_fx.errors import InputTypeError, InputValueError, OperationError
 from opake_fx.functional import FunctionalModel
@@ -642,7 +642,7 @@ def _whole_loss_per_example(loss_fn: Callable[..., Any], args: tuple[Any, ...], 
 
     in_dims = tuple(0 if i in cfg.batch_argnums else None for i in range(len(args)))
     grads = map_examples(torch.func.grad(one), (None, *in_dims), (tuple(base[k] for k in idx), *args),
-                         batch_size_of(args, cfg), what="the whole-loss fallback")
+                         batch_size_of(args, cfg), what="the whole-loss fallback", loop_fn=autograd_grad(one))
     return dict(zip(idx, grads))
 
 

@@ -64,11 +64,19 @@ def module_per_example(
         _, vjp_fn = torch.func.vjp(lambda p: call(p, xs), diff)
         return vjp_fn(tuple(go.unsqueeze(0) for go in gs))[0]
 
+    def one_by_autograd(xs: tuple[torch.Tensor, ...], gs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        params = {n: t.detach().requires_grad_(True) for n, t in diff.items()}
+        with torch.enable_grad():
+            outs = call(params, xs)
+            got = torch.autograd.grad(outs, list(params.values()), [go.unsqueeze(0) for go in gs], allow_unused=True)
+        return {n: torch.zeros_like(params[n]) if g is None else g for n, g in zip(params, got)}
+
     if not used:
         return N.PerExampleGrad({n: torch.zeros((batch, *diff[n].shape), dtype=diff[n].dtype, device=diff[n].device) for n in diff_names})
     xs = tuple(flat[k] for k in positions)
     gs = tuple(grads_out[k] for k in used)
-    return N.PerExampleGrad(dict(map_examples(one, (0, 0), (xs, gs), batch, what=f"the fallback of {type(module).__name__}")))
+    return N.PerExampleGrad(dict(map_examples(one, (0, 0), (xs, gs), batch, what=f"the fallback of {type(module).__name__}",
+                                              loop_fn=one_by_autograd)))
 
 
 
