@@ -170,8 +170,9 @@ def _backward_structure(root: nn.Module, loss_fn: Callable[..., Any], sub: tuple
         seed = torch.zeros(n, dtype=losses.dtype, device=losses.device)
         seed[members] = 1.0
         seed = seed * finite  # a non-finite example's backward may be NaN everywhere in its rows
-        grads = torch.autograd.grad(losses, tensors, grad_outputs=seed, retain_graph=j < len(groups) - 1,
-                                    allow_unused=True)
+        # a scalar (not grad_outputs=seed): the same gradients, without autograd's shape checks for
+        # grad_outputs (whose first use imports sympy, ~0.4 s)
+        grads = torch.autograd.grad((losses * seed).sum(), tensors, retain_graph=j < len(groups) - 1, allow_unused=True)
         outside = [i for i in range(n) if i not in members and bool(finite[i])]
         last = after = None
         for (where, _, k), g in zip(watched, grads):
