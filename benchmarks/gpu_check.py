@@ -26,6 +26,9 @@ Checks, each printed as ``PASS``/``FAIL`` with its measured error:
   contribution stays within C on ``vmap``, ``ghost`` and ``auto``, with a finite norm; and
   on ordinary sequences (``Linear(128, 384)``, T = 64) the float32 Gram norms are at or above
   the float64 ones and within 1% of them (the float32 fast path, on the device).
+* **independence** — the benchmark LM in float32 with a backward that mixes rows, and with
+  a 1% batch-mean term in its loss, is refused on ``ghost`` and ``auto`` by the exact
+  guard (the gradient structure is checked with the device's kernels).
 * **noise drawn ahead** — ``gaussian_noise(prefetch=True)`` (the next step's noise drawn on
   a side stream on CUDA, a background thread on the CPU) gives the same bits as
   ``prefetch=False`` over 4 steps, and the median step time of each (a 16M-parameter noise
@@ -350,12 +353,47 @@ def check_noise(device: str, report: Report) -> None:
                  f"std {std:.5f} vs {want} (tol {tol:.1e}), noise_stddev {noised.noise_stddev}, on {sorted(devices)}")
 
 
+class _MixRows(torch.autograd.Function):
+    """Identity forward; a backward that adds each example's gradient to the next example's row."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g + torch.roll(g, 1, 0)
+
+
+def check_independence(device: str, report: Report) -> None:
+    """The exact independence guard on the device's kernels: the benchmark LM with a backward that
+    mixes rows and with a 1% batch-mean term in its loss is refused on ``ghost`` and ``auto``
+    (the clean model passed in :func:`check_clipping`)."""
+    fmodel, params, x, y, batched = _setup("lm", device, torch.float32)
+    attacks = {
+        "mixing backward": lambda p, xb, yb: _MixRows.apply(batched(p, xb, yb)),
+        "1% batch mean": lambda p, xb, yb: (lambda l: l + 0.01 * l.mean())(batched(p, xb, yb)),
+    }
+    for name, loss in attacks.items():
+        for backend in ("ghost", "auto"):
+            refused, why = False, "trained"
+            fn, state = clipped_grad(loss, clipping_norm=1.0, batch_argnums=(1, 2), clip_backend=backend, model=fmodel)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    fn(params, x, y, state=state)
+            except Exception as e:  # noqa: BLE001 - the refusal is what the check looks for
+                refused, why = "mixes examples" in str(e), f"{type(e).__name__}: {str(e)[:60]}"
+            report.check(f"independence {name} {backend}", refused, why)
+
+
 def run_checks(device: str) -> Report:
     report = Report()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     check_clipping(device, report)
     check_certified(device, report)
+    check_independence(device, report)
     check_prefetch(device, report, params=(1 << 24) if device != "cpu" else (1 << 20))
     check_noise(device, report)
     return report

@@ -52,19 +52,24 @@ class _Timed:
             self.calls += 1
 
 
-def measure(make_step: Callable[[], Callable[[], None]], steady: int) -> dict[str, float]:
+def measure(make_step: Callable[[], Callable[[], None]], steady: int, device: str = "cpu") -> dict[str, float]:
+    """Guard time on the first call, the first call's time and the median steady step (seconds -> ms)."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     timed = _Timed()
     _provenance.check_independence = timed
     try:
         step = make_step()
+        sync()
         t0 = time.perf_counter()
         step()
+        sync()
         first = time.perf_counter() - t0
         guard, calls = timed.seconds, timed.calls
         times = []
         for _ in range(steady):
             t0 = time.perf_counter()
             step()
+            sync()
             times.append(time.perf_counter() - t0)
     finally:
         _provenance.check_independence = timed.inner
@@ -79,18 +84,22 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(both))
     ap.add_argument("--steady", type=int, default=5, help="steady steps timed after the first (median)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cuda: the clipping workloads on the GPU (synchronised timing)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     print(f"{'workload':<14} {'guard ms':>9} {'first call ms':>14} {'steady step ms':>15} {'guard / step':>13}")
     for w in a.workloads.split(","):
         if w in clipping.WORKLOADS:
-            make = lambda w=w: clipping.setup_step(w, "opake-auto", threads=a.threads)  # noqa: E731
+            make = lambda w=w: clipping.setup_step(w, "opake-auto", threads=a.threads, device=a.device)  # noqa: E731
+        elif a.device != "cpu":
+            print(f"{w:<14} (CPU only)")
+            continue
         elif architectures.available(w):
             make = lambda w=w: architectures.setup_step(w, "opake-auto", threads=a.threads)  # noqa: E731
         else:
             print(f"{w:<14} (not available)")
             continue
-        r = measure(make, a.steady)
+        r = measure(make, a.steady, a.device)
         print(f"{w:<14} {r['guard_ms']:>9.1f} {r['first_ms']:>14.1f} {r['step_ms']:>15.1f} {r['ratio']:>12.2f}x")
 
 

@@ -26,8 +26,9 @@ def test_checks_pass_on_cpu(gpu_check):
     report = gpu_check.run_checks("cpu")
     assert report.ok, "\n".join(line for line in report.lines if line.startswith("FAIL"))
     # 6 model kinds x (3 backends + microbatching + float32) + 2 layer-rule checks + 3 certified-norm checks
-    # + the float32 Gram norms against float64 + noise drawn ahead + 3 noise checks
-    assert len(report.lines) == 6 * 5 + 2 + 3 + 1 + 1 + 3
+    # + the float32 Gram norms against float64 + 2 attacks x 2 backends refused by the independence guard
+    # + noise drawn ahead + 3 noise checks
+    assert len(report.lines) == 6 * 5 + 2 + 3 + 1 + 4 + 1 + 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -48,3 +49,12 @@ def test_a_wrong_clipped_sum_is_reported(gpu_check, monkeypatch):
     gpu_check.check_clipping("cpu", report)
     assert not report.ok
     assert any(line.startswith("FAIL  clipping float64") for line in report.lines)
+
+
+def test_an_accepted_mixing_model_is_reported(gpu_check, monkeypatch):
+    from opake_fx.dpsgd.clipping import _provenance
+
+    monkeypatch.setattr(_provenance, "check_independence", lambda *a, **k: None)  # a guard that accepts everything
+    report = gpu_check.Report()
+    gpu_check.check_independence("cpu", report)
+    assert len(report.lines) == 4 and all(line.startswith("FAIL") for line in report.lines)
