@@ -21,6 +21,7 @@ __all__ = [
     "BudgetExceededError",
     "DistributedMismatchError",
     "CheckpointError",
+    "CheckpointRanksError",
     "SlowPathWarning",
 ]
 
@@ -62,6 +63,15 @@ class CheckpointError(OpakeError, ValueError):
 
     The message names the entry (its path, e.g. ``"state/opt/mu/w"``) or the file, and
     what to do. Nothing is restored when it is raised.
+    """
+
+
+class CheckpointRanksError(CheckpointError, DistributedMismatchError):
+    """The ranks resumed from checkpoints that are not one step of one run (raised on every rank).
+
+    Both a :class:`CheckpointError` (a checkpoint was refused) and a
+    :class:`DistributedMismatchError` (the ranks disagree); the message names the
+    disagreeing value or the rank whose checkpoint was refused.
     """
 
 

@@ -654,6 +654,131 @@ class DPPlan:
             return math.inf if n > 0 else 0.0
         return self._run(self.noise_multiplier, n).epsilon_at(delta, accountant=self.accountant_kind)
 
+    def spent_after(self, steps: int) -> Any:
+        """What an accountant charged ``step_cost_at(t)`` for ``t < steps`` has spent: a :class:`DpProcess`.
+
+        The composition of the first ``steps`` step costs (``identity()`` for 0 steps,
+        ``nonprivate()`` for a non-private baseline), normalised, so it compares equal to
+        ``accountant.spent`` of such an accountant. A run checkpoint checks the one against
+        the other (:meth:`load_checkpoint`).
+
+        Example:
+            >>> plan = DPPlan(dataset_size=100, batch_size=10, steps=5, noise_multiplier=1.0, delta=1e-5)
+            >>> acct = plan.accountant()
+            >>> for t in range(3):
+            ...     acct.step(plan.step_cost_at(t))
+            >>> acct.spent == plan.spent_after(3), acct.spent == plan.spent_after(2)
+            (True, False)
+        """
+        from opake_fx.accounting import compose, identity, nonprivate
+
+        n = check.integer(steps, "steps", "DPPlan.spent_after", minimum=0, maximum=self.steps)
+        if n == 0:
+            return identity()
+        if self.noise_multiplier == 0:
+            return nonprivate()
+        if not self.participation.amplified:
+            return compose(*self._increments()[:n])
+        return self._run(self.noise_multiplier, n)
+
+    def save_checkpoint(self, path: Any, *, params: Any, state: Any, sampler: Any = None, accountant: Any = None,
+                        **extra: Any) -> int:
+        """Saves one step of this plan's run (atomic, checksummed file), with the plan's identity inside it.
+
+        Args:
+            path: the file (on several ranks, one per rank: ``f"ckpt.rank{rank}.pt"``).
+            params: the parameters.
+            state: the state of :meth:`pipeline` after the last step; its noise and clip
+                steps (which must agree) are the run's step.
+            sampler: this rank's sampler from :meth:`sampler`; saved at the run's step
+                (its next batch is the step's, whatever a ``DataLoader`` prefetched).
+            accountant: the run's :meth:`accountant`, charged ``step_cost_at(t)`` for every
+                step ``t`` taken (``None`` for a non-private baseline).
+            **extra: more named trees to save (any state :mod:`opake_fx.serialization` handles).
+
+        Returns:
+            The run's step (the number of steps taken).
+
+        Raises:
+            InputValueError: the state's counters disagree, or the accountant's steps or
+                spent process are not this plan's first ``step`` steps (nothing is written).
+
+        Privacy: the file holds the noise keys (whoever reads it can recompute the noise):
+        keep it as private as the training data. :meth:`load_checkpoint` refuses a file
+        that is not one step of this run (see ``docs/checkpoints.md``).
+
+        Example:
+            >>> import tempfile, torch
+            >>> from opake_fx.optimizers import sgd
+            >>> from opake_fx.random import key
+            >>> plan = DPPlan(dataset_size=100, batch_size=10, steps=5, noise_multiplier=1.0, delta=1e-5)
+            >>> pipeline = plan.pipeline(lambda p, x: ((x - p) ** 2).sum(), sgd(0.1), key=key(0), batch_argnums=(1,))
+            >>> params, sampler, acct = torch.zeros(2), plan.sampler(range(100), key(1)), plan.accountant()
+            >>> state = pipeline.init(params)
+            >>> acct.step(plan.step_cost_at(0))
+            >>> updates, state = pipeline.update((torch.ones(3, 2),), state, params)
+            >>> path = tempfile.mkdtemp() + "/run.pt"
+            >>> plan.save_checkpoint(path, params=params, state=state, sampler=sampler, accountant=acct)
+            1
+            >>> ckpt = plan.load_checkpoint(path, params=params, state=pipeline.init(params), sampler=sampler,
+            ...                             accountant=plan.accountant())
+            >>> ckpt["step"], ckpt["sampler"].next_step, ckpt["accountant"].steps
+            (1, 1, 1)
+        """
+        from opake_fx.serialization.runs import save_run
+
+        return save_run(path, self, params=params, state=state, sampler=_shard_sampler(sampler),
+                        accountant=accountant, **extra)
+
+    def load_checkpoint(self, path: Any, *, params: Any, state: Any, sampler: Any = None, accountant: Any = None,
+                        check_ranks: bool = True, **extra: Any) -> dict[str, Any]:
+        """Reads one step of this plan's run, refusing a file that is not one.
+
+        The file must record this plan (its identity is a tree inside the checksummed
+        file); every counter in it must be the run's step (noise step, clip step, the
+        sampler's position, the accountant's step count) and the accountant's spent
+        process this plan's cost of exactly those steps; the noise, count-noise and sampler
+        keys must be the ones ``state`` and ``sampler`` were built with; and privacy
+        parameters (clip norm, count-noise multiplier, rates, budget) are this plan's: the
+        file's copies are compared, never used. A checksum alone cannot give this: whoever
+        can write the file can recompute it.
+
+        Args:
+            path: the file :meth:`save_checkpoint` wrote.
+            params: template parameters.
+            state: the template state, ``pipeline.init(params)`` of this plan's pipeline
+                (built with the run's keys).
+            sampler: this rank's sampler from :meth:`sampler` (the run's sampler key).
+            accountant: a fresh :meth:`accountant` (``None`` for a non-private baseline).
+            check_ranks: under ``torch.distributed`` with 2+ ranks, all ranks call together
+                and refuse together (one rank's bad file stops every rank), and the ranks
+                must restore the same noise key and step.
+            **extra: templates of the extra trees saved.
+
+        Returns:
+            ``{"params", "state", "sampler", "accountant", ..., "step"}``: the restored
+            trees (a restored copy of the sampler, at the run's step) and the run's step.
+            Nothing given is modified.
+
+        Raises:
+            CheckpointError: the file is missing, damaged or does not fit; it was made by
+                another plan; or its counters, keys or privacy parameters disagree (each
+                disagreement named). ``CheckpointRanksError`` when another rank refused.
+
+        Privacy: the resumed run continues the noise sequence after the saved step (no key
+        drawn twice), and its accountant holds every step taken, under this plan.
+
+        Example:
+            See :meth:`save_checkpoint`.
+        """
+        from opake_fx.serialization.runs import load_run
+
+        out = load_run(path, self, params=params, state=state, sampler=_shard_sampler(sampler), accountant=accountant,
+                       check_ranks=check_ranks, **extra)
+        if isinstance(sampler, _Offset):
+            out["sampler"] = _Offset(out["sampler"], sampler.start)
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         """The plan's fields as plain (JSON) data (``DPPlan(**d)`` rebuilds it without recalibrating).
 
@@ -1052,6 +1177,11 @@ class _Offset:
 
     def __getattr__(self, name: str) -> Any:  # state_dict, key, n_steps, ... of the shard's sampler
         return getattr(self.inner, name)
+
+
+def _shard_sampler(sampler: Any) -> Any:
+    """The shard's own sampler of one :meth:`DPPlan.sampler` (which offsets it on ranks > 0)."""
+    return sampler.inner if isinstance(sampler, _Offset) else sampler
 
 
 def _sampling(n: int, batch_size: Any, sample_rate: Any) -> tuple[float, float]:

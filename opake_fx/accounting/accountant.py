@@ -82,11 +82,24 @@ class Accountant:
         # is stepped twice in a row, so long runs are checked in O(1))
         self._headroom: tuple[DpProcess, int] | None = None
         self._last: DpProcess | None = None
+        # step() calls recorded; unknown (None) when built from a spent process of unknown length
+        self._steps: int | None = 0 if spent == identity() else None
 
     @property
     def budget(self) -> Budget:
         """The budget every step is checked against."""
         return self._budget
+
+    @property
+    def steps(self) -> int | None:
+        """How many steps (:meth:`step` calls) were recorded, across checkpoints.
+
+        ``None`` when the accountant was built from a ``spent`` process (its number of
+        steps is not known) or restored from a state saved without the count. A
+        checkpoint of a :class:`~opake_fx.plan.DPPlan` run checks it against the run's
+        other counters (:meth:`opake_fx.plan.DPPlan.load_checkpoint`).
+        """
+        return self._steps
 
     @property
     def spent(self) -> DpProcess:
@@ -160,6 +173,8 @@ class Accountant:
             self._rdp_todo.append((process, 1))
         self._probe = None
         self._last = process
+        if self._steps is not None:
+            self._steps += 1
 
     def __ior__(self, process: DpProcess) -> Accountant:
         self.step(process)
@@ -282,7 +297,9 @@ class Accountant:
         JSON-able), the trailing run of identical steps not folded in yet, the counted-down
         headroom, the last step, and the RDP curve summed so far with the steps not summed
         yet -- so that :meth:`from_state_dict` resumes bit for bit: every later report and
-        every accept/refuse decision is the one the uninterrupted accountant makes.
+        every accept/refuse decision is the one the uninterrupted accountant makes. It
+        also holds :attr:`steps` (``"steps"``; a state saved before it had none restores
+        ``steps=None``).
 
         Without it, :meth:`from_state_dict` recomposes the spent process in one go: the
         restored accountant reports what the uninterrupted one does to ~1e-9 relative
@@ -316,6 +333,7 @@ class Accountant:
             "last": None if self._last is None else self._last.to_dict(),
             "rdp_sum": None if self._rdp_sum is None else np.array(self._rdp_sum, dtype=np.float64),
             "rdp_todo": [[process.to_dict(), n] for process, n in self._rdp_todo],
+            "steps": self._steps,
         }
         return state
 
@@ -356,9 +374,12 @@ class Accountant:
         """The accountant whose running state is ``running`` (see :meth:`state_dict`)."""
         where = "Accountant state/running"
         fields = {"pld", "run", "headroom", "last", "rdp_sum", "rdp_todo"}
-        if not isinstance(running, dict) or set(running) != fields:
+        if not isinstance(running, dict) or set(running) - {"steps"} != fields:
             got = sorted(running) if isinstance(running, dict) else type(running).__name__
-            raise InputValueError(f"{where}: expected the fields {sorted(fields)}; got {got}.")
+            raise InputValueError(f"{where}: expected the fields {sorted(fields | {'steps'})}; got {got}.")
+        steps = running.get("steps")  # absent in states saved before the count was kept
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+            raise InputValueError(f"{where}/steps: expected None or an int >= 0; got {steps!r}.")
         out = object.__new__(cls)
         out._budget = budget
         out._counts = {}
@@ -396,6 +417,9 @@ class Accountant:
                 raise InputValueError(f"{where}/rdp_todo/{i}: expected [process, count]; got None.")
             out._rdp_todo.append(run)
         out._probe = None
+        out._steps = steps
+        if steps == 0 and spent != identity():
+            raise InputValueError(f"{where}/steps: 0 steps recorded, but the spent process is {spent!r}.")
         out._check_running_against_spent()
         return out
 

@@ -1,4 +1,5 @@
-"""Serializers for the library's own non-dataclass state: keys, ``PerGroup``, samplers, ``Accountant``.
+"""Serializers for the library's own state that needs more than its fields: keys, ``PerGroup``,
+samplers, clip states (configuration checked, not restored), ``Accountant``.
 
 Imported once, on the first use of the registry (it imports the samplers and the
 accounting, which must not be imported when ``opake_fx.serialization`` is).
@@ -7,8 +8,10 @@ accounting, which must not be imported when ``opake_fx.serialization`` is).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -16,9 +19,11 @@ import torch
 
 from opake_fx.accounting import Accountant
 from opake_fx.dpftrl.sampling import BallsInBinsSampler, CyclicPoissonSampler, FixedEpochSampler, MinSepSampler
+from opake_fx.dpsgd.clipping import AdaptiveClipState, FixedClipState
+from opake_fx.dpsgd.clipping.adaptive import next_clipping_norm
 from opake_fx.dpsgd.sampling import PoissonSampler, SequentialBatchSampler
 from opake_fx.errors import CheckpointError
-from opake_fx.random import RngKey
+from opake_fx.random import RngKey, fold_in, normal
 from opake_fx.serialization.tree import register_serializer, state_dict
 from opake_fx.types import PerGroup
 
@@ -48,6 +53,81 @@ def _sampler_from_tree(template: Any, tree: dict[str, Any]) -> Any:
 
 for _cls in (PoissonSampler, SequentialBatchSampler, CyclicPoissonSampler, BallsInBinsSampler, MinSepSampler, FixedEpochSampler):
     register_serializer(_cls, to_tree=lambda s: s.state_dict(), from_tree=_sampler_from_tree)
+
+
+# Clip states: the privacy parameters they carry (the fixed clip norm; adaptive clipping's count
+# noise multiplier, target quantile, learning rate and expected batch size) are configuration:
+# the clipping function uses its own, and the saved copies are only compared with the template's
+# (the configured stage's). A checkpoint that differs is refused, so a file cannot, e.g., turn the
+# count noise off while the accountant charges for it. What is state (steps, the tracked norm,
+# the last count and its noise) comes from the file and is checked for what it must satisfy.
+
+_ADAPTIVE_CONFIG = ("target_quantile", "learning_rate", "count_noise_multiplier", "expected_batch_size")
+
+
+def _fields_tree(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _same_configuration(template: Any, tree: dict[str, Any], names: tuple[str, ...]) -> None:
+    differ = [f"{n}={tree[n]!r} (the pipeline has {getattr(template, n)!r})" for n in names
+              if tree[n] != getattr(template, n)]
+    if differ:
+        raise CheckpointError(
+            f"the {type(template).__name__} was saved with {', '.join(differ)}. Privacy parameters come from the "
+            "pipeline (the plan), never from a checkpoint: a resumed run with other ones is another mechanism than "
+            "the one accounted for. Build the pipeline with the run's parameters, or resume another checkpoint."
+        )
+
+
+def _step(value: Any, owner: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(f"{owner}.step must be an int >= 0; got {value!r}.")
+    return value
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _fixed_clip_from_tree(template: FixedClipState, tree: dict[str, Any]) -> FixedClipState:
+    _same_configuration(template, tree, ("clipping_norm",))
+    return dataclasses.replace(template, step=_step(tree["step"], "FixedClipState"))
+
+
+def _adaptive_clip_from_tree(template: AdaptiveClipState, tree: dict[str, Any]) -> AdaptiveClipState:
+    _same_configuration(template, tree, _ADAPTIVE_CONFIG)
+    state = dataclasses.replace(template, **{k: v for k, v in tree.items() if k not in _ADAPTIVE_CONFIG})
+    step, c, prev = _step(state.step, "AdaptiveClipState"), state.clipping_norm, state.prev_clipping_norm
+    if not (_finite(c) and c > 0):
+        raise CheckpointError(f"AdaptiveClipState.clipping_norm must be a finite number > 0; got {c!r}.")
+    if (prev is None) != (step == 0):
+        raise CheckpointError(
+            f"AdaptiveClipState: step={step} with prev_clipping_norm={prev!r}; a state has a previous norm exactly "
+            "when it has taken a step."
+        )
+    if prev is None:
+        return state
+    for name in ("prev_clipping_norm", "centered_count", "count_noise"):
+        if not _finite(getattr(state, name)):
+            raise CheckpointError(f"AdaptiveClipState.{name} must be a finite number; got {getattr(state, name)!r}.")
+    # the last count's noise is a function of the key and the step: a file cannot remove it
+    drawn = state.count_noise_multiplier * float(normal(fold_in(state.key, step - 1), (), dtype=torch.float64, exact=True))
+    if state.count_noise != drawn:
+        raise CheckpointError(
+            f"AdaptiveClipState.count_noise={state.count_noise!r} is not the noise drawn for step {step - 1} "
+            f"({drawn!r} from the count key): the saved norm would follow a count without its noise."
+        )
+    if c != next_clipping_norm(state, state.centered_count):
+        raise CheckpointError(
+            f"AdaptiveClipState.clipping_norm={c!r} is not the update of prev_clipping_norm={prev!r} by the saved "
+            f"count and its noise ({next_clipping_norm(state, state.centered_count)!r})."
+        )
+    return state
+
+
+register_serializer(FixedClipState, to_tree=_fields_tree, from_tree=_fixed_clip_from_tree)
+register_serializer(AdaptiveClipState, to_tree=_fields_tree, from_tree=_adaptive_clip_from_tree)
 
 
 # The Accountant: its budget and spent process (registry-typed JSON, rebuilt without importing

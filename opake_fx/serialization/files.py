@@ -24,7 +24,7 @@ from opake_fx.errors import CheckpointError, InputValueError
 from opake_fx.serialization._ranks import check_shared_state
 from opake_fx.serialization.tree import flatten_into, from_state_dict
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "restore_trees"]
 
 FORMAT = "opake_fx.checkpoint"
 VERSION = 1
@@ -111,20 +111,57 @@ def load_checkpoint(path: str | os.PathLike[str], *, check_ranks: bool = True, *
     """
     if not templates:
         raise InputValueError("load_checkpoint needs a template per tree to read, e.g. load_checkpoint(path, params=params).")
-    flats = _read(Path(path))
+    out = restore_trees(read_checkpoint(path), os.fspath(path), **templates)
+    if check_ranks:
+        check_shared_state(out, os.fspath(path))
+    return out
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """The flat trees of a :func:`save_checkpoint` file, ``{name: {path: leaf}}``, after its checks.
+
+    The file is read with ``weights_only=True`` (nothing imported) and its checksum is
+    recomputed; rebuild a tree with :func:`restore_trees` (or
+    :func:`~opake_fx.serialization.from_state_dict`).
+
+    Raises:
+        CheckpointError: as :func:`load_checkpoint` for the file itself.
+
+    Privacy: the flat trees hold the noise keys; see :func:`save_checkpoint`.
+
+    Example:
+        >>> import tempfile
+        >>> path = tempfile.mkdtemp() + "/ckpt.pt"
+        >>> save_checkpoint(path, step=3)
+        >>> read_checkpoint(path)
+        {'step': {'': 3}}
+    """
+    return _read(Path(path))
+
+
+def restore_trees(flats: Mapping[str, Mapping[str, Any]], where: str, **templates: Any) -> dict[str, Any]:
+    """Each template's tree rebuilt from ``flats`` (what :func:`read_checkpoint` returns).
+
+    Raises:
+        CheckpointError: a tree is missing or does not fit its template (naming ``where``,
+            the tree and each entry).
+
+    Privacy: none by itself (see :func:`~opake_fx.serialization.from_state_dict`).
+
+    Example:
+        >>> restore_trees({"step": {"": 3}}, "memory", step=0)
+        {'step': 3}
+    """
     out: dict[str, Any] = {}
     for name, template in templates.items():
         if name not in flats:
             raise CheckpointError(
-                f"{os.fspath(path)} has no tree {name!r} (it has {sorted(flats)}); "
-                f"save it with save_checkpoint(path, {name}=...)."
+                f"{where} has no tree {name!r} (it has {sorted(flats)}); save it with save_checkpoint(path, {name}=...)."
             )
         try:
             out[name] = from_state_dict(template, flats[name])
         except CheckpointError as exc:
-            raise CheckpointError(f"{os.fspath(path)}, tree {name!r}: {exc}") from None
-    if check_ranks:
-        check_shared_state(out, os.fspath(path))
+            raise CheckpointError(f"{where}, tree {name!r}: {exc}") from None
     return out
 
 

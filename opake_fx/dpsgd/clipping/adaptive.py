@@ -143,10 +143,25 @@ def adaptive_clipped_grad(
         stepped = replace(state, step=state.step + 1, prev_clipping_norm=c, centered_count=centered, count_noise=noise)
         return replace(stepped, clipping_norm=next_clipping_norm(stepped, centered))
 
+    def configured_norm(state: AdaptiveClipState) -> float:
+        # The hyperparameters are this function's; the state's copies must agree (a state from
+        # another configuration, e.g. a checkpoint with count_noise_multiplier=0, would release
+        # the count with other noise than the accountant charges for).
+        mine = (float(target_quantile), float(learning_rate), float(count_noise_multiplier), m)
+        theirs = (state.target_quantile, state.learning_rate, state.count_noise_multiplier, state.expected_batch_size)
+        if theirs != mine:
+            names = ("target_quantile", "learning_rate", "count_noise_multiplier", "expected_batch_size")
+            differ = [f"{n}={t!r} (this function's: {g!r})" for n, t, g in zip(names, theirs, mine) if t != g]
+            raise InputValueError(
+                f"adaptive_clipped_grad: the state has {', '.join(differ)}. The privacy parameters are the "
+                "function's own; pass the state this function (or its stage's init) returned."
+            )
+        return state.clipping_norm
+
     mode = ClipMode(
         "adaptive_clipped_grad",
         AdaptiveClipState,
-        clipping_norm=lambda state: state.clipping_norm,
+        clipping_norm=configured_norm,
         weights=clip_weights,
         advance=advance,
     )
