@@ -177,8 +177,10 @@ def test_mixing_beyond_the_first_examples_is_refused(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_detached_read_just_above_the_tolerance_is_refused(backend):
-    # Non-differentiable mixing is seen only through loss values; the tolerance is FORWARD_RTOL of
-    # the loss. Mixing at 4x the tolerance must be refused (this kills a tenfold-raised threshold).
+    # Non-differentiable mixing is seen only through loss values, within sqrt(eps64) = 1.5e-8 of the
+    # loss. Mixing at 4x that (a literal here, so a raised constant cannot move the test with it)
+    # must be refused: this kills a tenfold-raised threshold.
+    assert FORWARD_RTOL <= 2 ** -26
     class Faint(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -188,7 +190,7 @@ def test_a_detached_read_just_above_the_tolerance_is_refused(backend):
             own = self.a(x)[:, 0]
             # +-1 from the predecessor's first feature (+1 for an example alone); no gradient path
             s = torch.sign(_shift(x[:, :1])[:, 0] + 1e-3).detach()
-            return own * (1 + 4 * FORWARD_RTOL * s)  # moves 8 tolerances when s flips
+            return own * (1 + 4 * 2 ** -26 * s)  # moves 8 tolerances when s flips
 
     torch.manual_seed(2)
     model = Faint().double()
@@ -240,3 +242,29 @@ def test_non_finite_examples_alone_are_not_mixing(backend):
     ref, _ = _clip(model, loss, "vmap", x, c=0.2)
     for a, b in zip(fast.pytree, ref.pytree):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reads", ["predecessor", "successor", "only-first-reads-second"])
+def test_a_differentiable_dependence_of_any_size_is_refused(backend, reads):
+    # 1e-12 of a neighbour: far below any loss tolerance, but a structural nonzero in the backward
+    # (the gradient check has no threshold). Both directions, and one pair alone (example 0 reads
+    # example 1: only a seed that holds 0 and not 1 sees it, so both halves of the seed groups matter).
+    class Faint(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(D, 4), nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            if reads == "predecessor":
+                other = _shift(h)
+            elif reads == "successor":
+                other = torch.flip(_shift(torch.flip(h, [0])), [0])
+            else:
+                other = torch.cat([h[1:2], torch.zeros_like(h[1:])])
+            return self.b(h + 1e-12 * other)[:, 0]
+
+    torch.manual_seed(7)
+    with pytest.raises(InputValueError, match="mixes examples: in the backward pass"):
+        _clip(Faint().double(), _identity, backend, torch.randn(6, D, dtype=torch.float64))
