@@ -40,7 +40,7 @@ from opake_fx.random import fold_in, key
 from opake_fx.transforms import apply_updates
 from opake_fx.transformers import checkpoint as ckpt
 from opake_fx.transformers.arguments import TrainingArguments
-from opake_fx.transformers.losses import check_model, per_example_loss_fn
+from opake_fx.transformers.losses import check_model, check_padding_invariance, per_example_loss_fn
 from opake_fx.transformers.optim import optimizer_from_args
 
 __all__ = ["DPTrainer", "UNBOUNDED_CLIP"]
@@ -71,10 +71,18 @@ class DPTrainer(transformers.Trainer):
             batch without its labels.
 
     Attributes:
-        privacy_plan: the :class:`~opake_fx.plan.DPPlan` of the last ``train()``.
+        privacy_plan: the :class:`~opake_fx.plan.DPPlan` of the run.
         accountant: its accountant (``None`` for the non-private baseline).
 
-    ``train()`` logs ``epsilon`` next to ``loss`` at every logging step (the loss of the
+    One trainer, one run, one budget: a second ``train()`` on a run that stopped early (a
+    callback's ``should_training_stop``, an interrupt, an error) continues it from where
+    it stopped, with the same plan, accountant, noise and batches, and never takes more
+    than the plan's steps or spends past its target; once the run has taken all its steps
+    or spent its budget, a second ``train()`` is an error (a fresh budget on a model that
+    already depends on the data would under-report epsilon). ``resume_from_checkpoint``
+    continues the run saved in a checkpoint instead.
+
+    ``train()`` logs ``epsilon`` next to ``loss`` at every logging step and at the plan's last step (the loss of the
     logging step's batch, before its update: NOT private, like any training loss), stops
     when the next step would exceed the budget, and adds ``privacy_epsilon``,
     ``privacy_delta`` and ``privacy_noise_multiplier`` to the final metrics. Each
@@ -124,9 +132,17 @@ class DPTrainer(transformers.Trainer):
     ) -> TrainOutput:
         """Trains with DP; see the class docstring. Arguments as ``transformers.Trainer.train``.
 
+        Before anything is charged, the loss runs on the first examples of the training set
+        (no gradient, eval mode): a ``per_example_loss_func`` must return shape ``[B]``, and
+        an example's loss must not change with its batch's padding (left padding works: the
+        position ids count from each example's first token; a model or loss for which it
+        does not is refused). In one process the first padded training batch is checked too.
+
         Raises:
-            InputTypeError / InputValueError: arguments, model or dataset that cannot be
-                trained privately or exactly (the message names the setting to change).
+            InputTypeError / InputValueError: arguments, model, loss or dataset that cannot be
+                trained privately or exactly (the message names the setting to change); a
+                second ``train()`` once the run is complete, or under arguments that make
+                another plan.
             CheckpointError: a checkpoint that does not hold a DP state fitting this run.
         """
         if kwargs:
@@ -145,28 +161,40 @@ class DPTrainer(transformers.Trainer):
             resume_from_checkpoint = get_last_checkpoint(args.output_dir) if resume_from_checkpoint else None
             if resume_from_checkpoint is None:
                 raise InputValueError(f"DPTrainer: train(resume_from_checkpoint=True) found no checkpoint in {args.output_dir}.")
-        self.is_in_train = True
-        self._memory_tracker.start()
+        # a run that has taken (or been charged for) a step is continued, never restarted on a fresh budget
+        previous = self._dp if resume_from_checkpoint is None and max(self._dp.get("step", 0), self._dp.get("charged", 0)) > 0 else None
+        if previous is not None:
+            self._refuse_finished_run(previous)
         model = self.model
         check_model(model, args)
-        model.train()
-
         dataset = self._training_set()
         rank, world = get_rank(), get_world_size()
-        resumed_meta = None if resume_from_checkpoint is None else _read_meta(resume_from_checkpoint, rank)
-        seed = resumed_meta["seed"] if resumed_meta is not None else self._privacy_seed()
         fmodel, params = make_functional(model, trainable_only=True)
-        plan = self._build_plan(len(dataset), world, params, fmodel.param_names)
-        self.privacy_plan = plan
-        noise_key, sampler_key = fold_in(key(seed), 0), fold_in(key(seed), 1)
-        # adaptive clipping's count noise: its own key, the same on every rank
-        pipeline_keys = {"count_key": fold_in(key(seed), 2)} if plan.clipping_mode == "adaptive" else {}
-        sampler = self._sampler(plan, dataset, sampler_key, rank, world)
-        optimizer = optimizer_from_args(args, plan.steps)
         losses = per_example_loss_fn(model, reduction=args.per_example_loss_reduction,
                                      label_smoothing=args.label_smoothing_factor,
                                      label_names=tuple(args.label_names or ("labels",)),
                                      custom=self.per_example_loss_func)
+        collate = _EmptyAwareCollate(self.data_collator, dataset)
+        # before any state changes: one loss per example, and none that moves with its batch's padding
+        padding_checked = self._check_losses(losses, fmodel, params, collate, len(dataset))
+        self.is_in_train = True
+        self._memory_tracker.start()
+        model.train()
+
+        resumed_meta = None if resume_from_checkpoint is None else _read_meta(resume_from_checkpoint, rank)
+        if previous is not None:
+            seed = previous["seed"]
+        else:
+            seed = resumed_meta["seed"] if resumed_meta is not None else self._privacy_seed()
+        plan = self._build_plan(len(dataset), world, params, fmodel.param_names)
+        if previous is not None:
+            plan = _same_plan(previous["plan"], plan)
+        self.privacy_plan = plan
+        noise_key, sampler_key = fold_in(key(seed), 0), fold_in(key(seed), 1)
+        # adaptive clipping's count noise: its own key, the same on every rank
+        pipeline_keys = {"count_key": fold_in(key(seed), 2)} if plan.clipping_mode == "adaptive" else {}
+        sampler = previous["sampler"] if previous is not None else self._sampler(plan, dataset, sampler_key, rank, world)
+        optimizer = optimizer_from_args(args, plan.steps)
         pipelines: dict[tuple[str, ...], Any] = {}
 
         def pipeline_for(keys: tuple[str, ...]) -> Any:
@@ -185,7 +213,11 @@ class DPTrainer(transformers.Trainer):
             logger.warning(msg)
         state = pipeline_for(("input_ids",)).init(params)  # the state does not depend on the batch's keys
         start_step = 0
-        if resume_from_checkpoint is not None:
+        if previous is not None:  # the same run, from where it stopped: its parameters, state and accountant
+            params, state, start_step = previous["params"], previous["state"], previous["step"]
+            accountant = self.accountant
+            fmodel.load_into_model(params)
+        elif resume_from_checkpoint is not None:
             self._check_same_plan(resume_from_checkpoint, plan)
             self._load_hf_checkpoint(resume_from_checkpoint)
             _, params = make_functional(model, trainable_only=True)
@@ -199,13 +231,15 @@ class DPTrainer(transformers.Trainer):
             start_step = restored["meta"]["step"]
             fmodel.load_into_model(params)
         self.accountant = accountant
+        # "charged": the steps the accountant has paid for; one more than "step" while a step is being computed
+        charged = previous["charged"] if previous is not None else start_step
         self._dp = {"plan": plan, "seed": seed, "rank": rank, "sampler": sampler, "params": params, "state": state,
-                    "step": start_step}
+                    "step": start_step, "charged": charged, "exhausted": False}
 
         # Hugging Face's state and callbacks
         if resume_from_checkpoint is not None and os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
             self.state = TrainerState.load_from_json(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME))
-        else:
+        elif previous is None:
             self.state = TrainerState(stateful_callbacks=[
                 cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)])
         self.state.train_batch_size = args.per_device_train_batch_size
@@ -213,7 +247,6 @@ class DPTrainer(transformers.Trainer):
         self.state.init_training_references(self, plan.steps, plan.epochs, trial)
         self.state.global_step = start_step
         steps_per_epoch = 1.0 / plan.sample_rate if args.sampling_mode != "sequential" else sampler.steps_per_pass
-        collate = _EmptyAwareCollate(self.data_collator, dataset)
         self.callback_handler.train_dataloader = None
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start and start_step == 0:
@@ -223,17 +256,21 @@ class DPTrainer(transformers.Trainer):
         loss_sum, loss_count, last_loss = 0.0, 0, float("nan")
         stopped_by_budget = False
         for step in range(start_step, plan.steps):
-            if accountant is not None:
+            indices = list(sampler.batch(step))  # indices of the whole data set (the plan's sampler offsets shards)
+            batch = self._prepare_inputs(collate(indices))
+            if not padding_checked and world == 1 and _has_padding(batch):  # one rank: no collective to strand
+                check_padding_invariance(losses, fmodel, params, batch)
+                padding_checked = True
+            if accountant is not None and step >= self._dp["charged"]:
                 try:  # charged before the step is computed; refused (and not recorded) beyond the budget
                     accountant.step(plan.step_cost_at(step))
                 except BudgetExceededError:
                     logger.warning("DPTrainer: stopping before step %d: it would exceed the privacy budget.", step + 1)
-                    stopped_by_budget = True
+                    stopped_by_budget = self._dp["exhausted"] = True
                     break
+                self._dp["charged"] = step + 1
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             model.train()  # an evaluation in between leaves the model in eval mode
-            indices = list(sampler.batch(step))  # indices of the whole data set (the plan's sampler offsets shards)
-            batch = self._prepare_inputs(collate(indices))
             keys = tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor)))
             tensors = tuple(batch[k] for k in keys)
             if self._will_log(step + 1):
@@ -242,10 +279,12 @@ class DPTrainer(transformers.Trainer):
             updates, state = pipeline_for(keys).update(tensors, state, params)
             params = apply_updates(params, updates)
             fmodel.load_into_model(params)
-            self._dp.update(params=params, state=state, step=step + 1)
+            self._dp.update(params=params, state=state, step=step + 1, charged=max(self._dp["charged"], step + 1))
             self.state.global_step = step + 1
             self.state.epoch = (step + 1) / steps_per_epoch
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            if step + 1 == plan.steps and _strategy(args.logging_strategy) != "no":
+                self.control.should_log = True  # the last step always reports its loss and epsilon
             if self.control.should_log:
                 total = _global_sum(torch.tensor([loss_sum, float(loss_count)], dtype=torch.float64))
                 last_loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
@@ -290,6 +329,46 @@ class DPTrainer(transformers.Trainer):
             raise InputValueError("DPTrainer does not support model_init; pass the model.")
         if getattr(self, "neftune_noise_alpha", None):
             raise InputValueError("DPTrainer: NEFTune noise is not supported (neftune_noise_alpha must be None).")
+
+    def _refuse_finished_run(self, previous: dict[str, Any]) -> None:
+        """Refuses a second ``train()`` once this trainer's run has taken all its steps or spent its budget."""
+        plan = previous["plan"]
+        if previous["step"] < plan.steps and not previous.get("exhausted", False):
+            return
+        why = "spent its budget" if previous.get("exhausted", False) else f"taken all {plan.steps} steps of its plan"
+        raise InputValueError(
+            f"DPTrainer.train(): this trainer's private run is complete: it has {why} (epsilon "
+            f"{self._spent_epsilon():.4g} at delta {plan.delta:.3g}). A second train() would train the same model on "
+            "the same data under a fresh budget, and the two runs' epsilons would add up unreported. To train longer, "
+            "plan it as one run (a larger max_steps or num_train_epochs under one privacy_target_epsilon) and train a "
+            "fresh model with a new DPTrainer. (A second train() on a run stopped early, by a callback or an error, "
+            "continues it; a new DPTrainer on this trained model is a second run whose epsilon composes with this one's.)"
+        )
+
+    def _check_losses(self, losses: Callable[..., torch.Tensor], fmodel: FunctionalModel, params: Any,
+                      collate: Callable[[list[int]], dict[str, Any]], n: int) -> bool:
+        """Runs the per-example loss on the first examples of the training set, before anything
+        is charged: a custom loss must return one loss per example, and an example's loss must
+        not change with its batch's padding (:func:`check_padding_invariance`). The same
+        examples on every rank, so every rank raises or none. Returns whether the probe had
+        padding (then the padding was checked)."""
+        if n == 0:
+            return False
+        batch = self._prepare_inputs(collate(list(range(min(n, _PROBE_EXAMPLES)))))
+        tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        if self.per_example_loss_func is not None:
+            was_training = fmodel.model.training
+            fmodel.model.eval()  # no dropout: the probe draws nothing from the RNGs the training uses
+            try:
+                with torch.no_grad():
+                    losses(fmodel, params, tensors)  # raises unless the custom loss returns shape [B]
+            finally:
+                fmodel.model.train(was_training)
+        config = getattr(getattr(fmodel.model, "get_base_model", lambda: fmodel.model)(), "config", None)
+        if getattr(config, "is_encoder_decoder", False) or not _has_padding(tensors):
+            return False
+        check_padding_invariance(losses, fmodel, params, tensors)
+        return True
 
     def _training_set(self) -> Any:
         dataset = self.train_dataset
@@ -356,7 +435,9 @@ class DPTrainer(transformers.Trainer):
 
     def _will_log(self, step: int) -> bool:
         args = self.args
-        strategy = str(getattr(args.logging_strategy, "value", args.logging_strategy))
+        strategy = _strategy(args.logging_strategy)
+        if strategy == "no":
+            return False
         if strategy != "steps":
             return step == self.privacy_plan.steps
         every = self.state.logging_steps or 1
@@ -431,6 +512,30 @@ class DPTrainer(transformers.Trainer):
 # --- helpers -----------------------------------------------------------------------------
 
 _META_TEMPLATE = {"seed": 0, "step": 0}
+_PROBE_EXAMPLES = 8  # the examples train() runs the loss on before the first step (checks only)
+
+
+def _strategy(value: Any) -> str:
+    return str(getattr(value, "value", value))
+
+
+def _has_padding(batch: Mapping[str, Any]) -> bool:
+    mask = batch.get("attention_mask")
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() > 0 and not bool((mask != 0).all())
+
+
+def _same_plan(previous: DPPlan, plan: DPPlan) -> DPPlan:
+    """``previous``, the plan a continued run keeps, if the arguments still make it; else an error."""
+    mine, theirs = plan.to_dict(), previous.to_dict()
+    diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if diff:
+        raise InputValueError(
+            f"DPTrainer.train(): a second train() continues this trainer's private run, but its arguments or training "
+            f"set now make another privacy plan (differs in {diff}), which would change the mechanism mid-run. Restore "
+            "the run's arguments and training set to continue it; a new run needs a new DPTrainer (and its epsilon "
+            "composes with this run's, since the model already depends on the data)."
+        )
+    return previous
 
 
 def _read_meta(directory: str, rank: int) -> dict[str, int]:

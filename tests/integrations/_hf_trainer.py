@@ -115,3 +115,36 @@ class StopAt(transformers.TrainerCallback):
         if state.global_step == self.n:
             control.should_training_stop = True
         return control
+
+
+def variable_lm_data(n: int, seed: int = 5, min_len: int = 2, labels: bool = True) -> list[dict[str, torch.Tensor]]:
+    """Unpadded token sequences of random lengths in ``[min_len, T]`` (``labels`` = the inputs, if asked)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(1, VOCAB, (int(torch.randint(min_len, T + 1, (1,), generator=g)),), generator=g)
+        out.append({"input_ids": ids, **({"labels": ids.clone()} if labels else {})})
+    return out
+
+
+class PadCollator:
+    """Pads a list of unpadded examples to the longest of the batch on ``side``: pad token 0,
+    ``attention_mask`` 0 and label -100 on the padding (as a tokenizer's padding does)."""
+
+    def __init__(self, side: str) -> None:
+        self.side = side
+
+    def __call__(self, examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        width = max(len(ex["input_ids"]) for ex in examples)
+        out: dict[str, list[torch.Tensor]] = {"input_ids": [], "attention_mask": []}
+        for ex in examples:
+            n = len(ex["input_ids"])
+            rows = {"input_ids": (ex["input_ids"], 0), "attention_mask": (torch.ones(n, dtype=torch.int64), 0)}
+            if "labels" in ex and ex["labels"].dim() == 1:  # token labels; a sequence label is stacked as it is
+                rows["labels"] = (ex["labels"], -100)
+            elif "labels" in ex:
+                out.setdefault("labels", []).append(ex["labels"])
+            for k, (v, fill) in rows.items():
+                pad = torch.full((width - n,), fill, dtype=v.dtype)
+                out.setdefault(k, []).append(torch.cat([pad, v] if self.side == "left" else [v, pad]))
+        return {k: torch.stack(v) for k, v in out.items()}
