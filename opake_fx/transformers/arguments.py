@@ -95,12 +95,13 @@ class TrainingArguments(transformers.TrainingArguments):
             expected global batch / 20). ``"fixed"`` takes none.
         clip_backend: ``"auto"`` (default: exact fast clipping from layer activations where
             rules exist, an exact fallback elsewhere), ``"vmap"`` or ``"ghost"``.
-        sampling_mode: ``"poisson"`` (default), ``"cyclic_poisson"`` (for ``band_mf``),
-            ``"b_min_sep"``, ``"balls_in_bins"`` (passed to the plan, which says whether it
-            supports them), or ``"sequential"`` (non-private baseline only).
-        sampling_kwargs: extra plan fields of the sampler (e.g. ``{"bands": 4}``).
-        privacy_noise_mechanism: ``"gaussian"`` (DP-SGD) or a DP-FTRL strategy the plan
-            supports (``"band_mf"`` today).
+        sampling_mode: ``"poisson"`` (default, for ``gaussian``), ``"cyclic_poisson"`` (for
+            ``band_mf`` and ``bsr``), ``"b_min_sep"``, ``"balls_in_bins"`` (for ``band_mf``,
+            ``bsr`` and ``blt``; the plan refuses a pair it has no accounting for), or
+            ``"sequential"`` (non-private baseline only).
+        sampling_kwargs: extra plan fields of the sampler (e.g. ``{"min_sep": 4}``).
+        privacy_noise_mechanism: ``"gaussian"`` (DP-SGD) or a DP-FTRL strategy:
+            ``"band_mf"``, ``"bsr"`` or ``"blt"``.
         privacy_noise_mechanism_kwargs: extra plan fields of the mechanism (``{"bands": 4}``).
         privacy_accountant: ``"pld"`` (default) or ``"rdp"``.
         privacy_seed: the seed of the noise and sampling keys. ``None`` (default) draws
@@ -144,7 +145,7 @@ class TrainingArguments(transformers.TrainingArguments):
     clip_backend: str = field(default="auto", metadata={"help": "auto, vmap or ghost."})
     sampling_mode: str = field(default="poisson", metadata={"help": "poisson, cyclic_poisson, b_min_sep, balls_in_bins, sequential."})
     sampling_kwargs: dict | None = field(default=None, metadata={"help": "Options of the sampler (e.g. bands)."})
-    privacy_noise_mechanism: str = field(default="gaussian", metadata={"help": "gaussian or a DP-FTRL strategy (band_mf)."})
+    privacy_noise_mechanism: str = field(default="gaussian", metadata={"help": "gaussian or a DP-FTRL strategy (band_mf, bsr, blt)."})
     privacy_noise_mechanism_kwargs: dict | None = field(default=None, metadata={"help": "Options of the mechanism."})
     privacy_accountant: str = field(default="pld", metadata={"help": "pld or rdp."})
     privacy_seed: int | None = field(default=None, metadata={"help": "Seed of noise and sampling (None: OS CSPRNG)."})
