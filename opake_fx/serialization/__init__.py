@@ -29,8 +29,8 @@ consistent step of one run is what :func:`load_run` checks.
 """
 
 from opake_fx.serialization.files import load_checkpoint, read_checkpoint, restore_trees, save_checkpoint
-from opake_fx.serialization.runs import load_run, plan_identity, run_counters, save_run
+from opake_fx.serialization.runs import load_run, plan_identity, refuse_together, run_counters, save_run
 from opake_fx.serialization.tree import from_state_dict, register_serializer, state_dict
 
 __all__ = ["state_dict", "from_state_dict", "register_serializer", "save_checkpoint", "load_checkpoint",
-           "read_checkpoint", "restore_trees", "save_run", "load_run", "run_counters", "plan_identity"]
+           "read_checkpoint", "restore_trees", "save_run", "load_run", "run_counters", "plan_identity", "refuse_together"]

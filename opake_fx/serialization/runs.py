@@ -43,7 +43,7 @@ from opake_fx.serialization._ranks import check_shared_state
 from opake_fx.serialization.files import read_checkpoint, restore_trees, save_checkpoint
 from opake_fx.serialization.tree import serializer_for
 
-__all__ = ["save_run", "load_run", "run_counters", "plan_identity", "RUN_TREE"]
+__all__ = ["save_run", "load_run", "run_counters", "plan_identity", "refuse_together", "RUN_TREE"]
 
 RUN_TREE = "run"
 """The name of the tree that holds the plan identity and the step in a run checkpoint."""
@@ -306,8 +306,20 @@ def _accountant_problems(plan: Any, step: int, accountant: Any) -> list[str]:
     return problems
 
 
-def _refuse_together(error: CheckpointError | None, out: Mapping[str, Any], where: str) -> None:
-    """Raises on every rank if any rank's file was refused or the ranks' shared values differ."""
+def refuse_together(error: CheckpointError | None, where: str) -> None:
+    """Raises on every rank if any rank has an ``error`` (a collective; every rank calls it).
+
+    In one process: raises ``error`` if there is one. Under ``torch.distributed`` with 2+
+    ranks: a rank with an error raises it, and every other rank raises a
+    :class:`~opake_fx.errors.CheckpointRanksError` naming the refusing ranks, so no rank
+    goes on alone into a collective the others never reach.
+
+    Privacy: none by itself; it keeps one rank's refused checkpoint from being resumed by
+    the others.
+
+    Example:
+        >>> refuse_together(None, "ckpt.pt")  # one process, nothing refused: nothing to do
+    """
     from opake_fx.distributed import all_reduce, get_rank, get_world_size, is_distributed
 
     if not is_distributed() or get_world_size() < 2:
@@ -321,9 +333,14 @@ def _refuse_together(error: CheckpointError | None, out: Mapping[str, Any], wher
         raise error
     if ranks:
         raise CheckpointRanksError(
-            f"load_checkpoint({where}): rank(s) {ranks} refused their checkpoint (see their error), so every rank "
-            "refuses: the ranks must resume one step of one run together."
+            f"{where}: rank(s) {ranks} refused their checkpoint (see their error), so every rank refuses: the ranks "
+            "must resume one step of one run together."
         )
+
+
+def _refuse_together(error: CheckpointError | None, out: Mapping[str, Any], where: str) -> None:
+    """:func:`refuse_together`, then the cross-rank check of the shared values."""
+    refuse_together(error, where)
     try:
         check_shared_state(out, where)
     except DistributedMismatchError as exc:

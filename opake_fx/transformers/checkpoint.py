@@ -2,12 +2,17 @@
 
 A Hugging Face checkpoint directory holds the model (or the adapters), the trainer state
 and the callbacks' state. DPTrainer adds what the private run depends on, through
-:mod:`opake_fx.serialization` (atomic, checksummed, nothing imported on load):
+:meth:`opake_fx.plan.DPPlan.save_checkpoint` (atomic, checksummed, nothing imported on
+load):
 
-* ``dp_state.rank{r}.pt``: the trainable parameters, the pipeline state (clip state, the
-  noise key and step, the optimizer), the rank's sampler position, the accountant's spent
-  composition and the privacy seed;
-* ``accountant.json`` (human-readable): the plan, the steps taken and the epsilon spent.
+* ``dp_state.rank{r}.pt``: the plan's identity and the run's step (the ``run`` tree), the
+  trainable parameters, the pipeline state (clip state, the noise key and step, the
+  optimizer), the rank's sampler position, the accountant's spent composition and step
+  count, and the trainer's step and privacy seed (``meta``). On resume
+  (:func:`load_dp_state`) all of it must be one step of the resuming trainer's plan, and
+  Hugging Face's ``trainer_state.json`` must be at that step too;
+* ``accountant.json``: a human-readable report (the plan, the steps taken, the epsilon
+  spent). Nothing is checked against it: deleting or editing it changes no check.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ import os
 from typing import Any
 
 from opake_fx.errors import CheckpointError
-from opake_fx.serialization import load_checkpoint, save_checkpoint
+from opake_fx.serialization import refuse_together
 
-__all__ = ["ACCOUNTANT_NAME", "dp_state_name", "save_dp_state", "load_dp_state", "write_accountant_json", "read_accountant_json"]
+__all__ = ["ACCOUNTANT_NAME", "TRAINER_STATE_NAME", "dp_state_name", "save_dp_state", "load_dp_state",
+           "write_accountant_json", "read_accountant_json"]
 
 ACCOUNTANT_NAME = "accountant.json"
+TRAINER_STATE_NAME = "trainer_state.json"
 
 
 def dp_state_name(rank: int) -> str:
@@ -30,20 +37,47 @@ def dp_state_name(rank: int) -> str:
     return f"dp_state.rank{rank}.pt"
 
 
-def save_dp_state(directory: str, rank: int, *, params: Any, state: Any, sampler: Any, accountant: Any, meta: dict[str, Any]) -> None:
-    """Writes rank ``rank``'s DP state into ``directory`` (atomically)."""
-    trees: dict[str, Any] = {"params": params, "state": state, "sampler": sampler, "meta": meta}
-    if accountant is not None:
-        trees["accountant"] = accountant
-    save_checkpoint(os.path.join(directory, dp_state_name(rank)), **trees)
+def save_dp_state(directory: str, rank: int, *, plan: Any, params: Any, state: Any, sampler: Any, accountant: Any,
+                  meta: dict[str, Any]) -> None:
+    """Writes rank ``rank``'s DP state into ``directory`` (atomically), as one step of ``plan``'s run.
+
+    ``meta`` holds the trainer's ``step`` (which must be the pipeline state's) and the
+    privacy ``seed``.
+
+    Raises:
+        InputValueError: the state's counters, the accountant or ``meta["step"]`` disagree
+            (nothing is written): a resume of such a file would be refused.
+
+    Privacy: the file holds the noise keys; keep it as private as the training data.
+    """
+    step = plan.save_checkpoint(os.path.join(directory, dp_state_name(rank)), params=params, state=state,
+                                sampler=sampler, accountant=accountant, meta=meta)
+    if meta["step"] != step:  # pragma: no cover - the trainer saves after completing its step
+        raise CheckpointError(f"DPTrainer saved its DP state at trainer step {meta['step']}, but its state is at {step}.")
 
 
-def load_dp_state(directory: str, rank: int, *, params: Any, state: Any, sampler: Any, accountant: Any, meta: dict[str, Any]) -> dict[str, Any]:
-    """Reads rank ``rank``'s DP state from ``directory``; the arguments are the templates.
+def load_dp_state(directory: str, rank: int, *, plan: Any, params: Any, state: Any, sampler: Any, accountant: Any,
+                  meta: dict[str, Any]) -> dict[str, Any]:
+    """Reads rank ``rank``'s DP state from ``directory``; the keyword arguments are the templates.
+
+    Everything is checked before anything is returned (the caller changes nothing until
+    then): the file must be one step of ``plan``'s run (:meth:`DPPlan.load_checkpoint`:
+    plan identity inside the file, noise step, clip step, sampler position, accountant
+    steps and history, keys, privacy parameters), the trainer's step in ``meta`` must be
+    that step, and so must ``trainer_state.json``'s ``global_step`` when the directory has
+    one.
+
+    Returns:
+        The restored trees and ``"step"``.
 
     Raises:
         CheckpointError: the directory has no DP state (e.g. saved with ``save_only_model``:
-            a weights-only export cannot be resumed), or it does not fit the run.
+            a weights-only export cannot be resumed), or it is not one step of this run
+            (naming each disagreement). ``CheckpointRanksError`` on every rank when one
+            rank's file is refused or the ranks' steps differ.
+
+    Privacy: a DP state that loads continues the run: the noise of the later steps only,
+    every step taken still charged, the plan's privacy parameters.
     """
     path = os.path.join(directory, dp_state_name(rank))
     if not os.path.isfile(path):
@@ -51,14 +85,39 @@ def load_dp_state(directory: str, rank: int, *, params: Any, state: Any, sampler
             f"DPTrainer: {directory} has no {dp_state_name(rank)}, so the private run cannot be resumed from it "
             "(was it saved with save_only_model=True, or by a plain Trainer?). Resume from a DPTrainer checkpoint."
         )
-    templates: dict[str, Any] = {"params": params, "state": state, "sampler": sampler, "meta": meta}
-    if accountant is not None:
-        templates["accountant"] = accountant
-    return load_checkpoint(path, **templates)
+    out = plan.load_checkpoint(path, params=params, state=state, sampler=sampler, accountant=accountant, meta=meta)
+    # the trainer's own counters, refused on every rank together (a rank going on alone would hang)
+    refuse_together(_trainer_step_problem(directory, path, out["meta"]["step"], out["step"]), path)
+    return out
+
+
+def _trainer_step_problem(directory: str, path: str, trainer_step: Any, step: int) -> CheckpointError | None:
+    if trainer_step != step:
+        return CheckpointError(
+            f"DPTrainer: {path} is not one step of a run: the trainer's step is {trainer_step}, the run's step is "
+            f"{step}. Resume from an intact checkpoint."
+        )
+    hf_state = os.path.join(directory, TRAINER_STATE_NAME)
+    if not os.path.isfile(hf_state):
+        return None
+    try:
+        with open(hf_state) as f:
+            global_step = json.load(f).get("global_step")
+    except (OSError, ValueError, AttributeError) as exc:
+        return CheckpointError(f"DPTrainer: cannot read {hf_state} ({exc}).")
+    if global_step != step:
+        return CheckpointError(
+            f"DPTrainer: {hf_state} has global_step={global_step!r}, the DP state's step is {step}: the two files are "
+            "from different steps. Resume from an intact checkpoint directory."
+        )
+    return None
 
 
 def write_accountant_json(directory: str, *, plan: Any, steps: int, epsilon: float, accountant: Any) -> None:
-    """``accountant.json``: the plan, the steps taken, epsilon spent and the accountant's state."""
+    """``accountant.json``: a report of the plan, the steps taken, epsilon spent and the accountant's state.
+
+    Not read back by any check (the plan identity a resume checks is inside ``dp_state.rank{r}.pt``).
+    """
     doc = {
         "plan": plan.to_dict(),
         "steps": steps,

@@ -51,7 +51,7 @@ UNBOUNDED_CLIP = 1e30
 """The clip norm that stands for ``clipping_norm=math.inf`` (non-private baseline only): no
 gradient reaches it, so nothing is clipped, and it stays finite in float32 arithmetic."""
 
-TRAINER_STATE_NAME = "trainer_state.json"
+TRAINER_STATE_NAME = ckpt.TRAINER_STATE_NAME
 
 
 class DPTrainer(transformers.Trainer):
@@ -218,17 +218,17 @@ class DPTrainer(transformers.Trainer):
             accountant = self.accountant
             fmodel.load_into_model(params)
         elif resume_from_checkpoint is not None:
-            self._check_same_plan(resume_from_checkpoint, plan)
-            self._load_hf_checkpoint(resume_from_checkpoint)
-            _, params = make_functional(model, trainable_only=True)
             inner = getattr(sampler, "inner", sampler)
-            restored = ckpt.load_dp_state(resume_from_checkpoint, rank, params=params, state=state, sampler=inner,
-                                          accountant=accountant, meta=_META_TEMPLATE)
+            # checked in full (plan identity, every counter, keys, privacy parameters) before anything changes:
+            # a refused checkpoint leaves the model as it was
+            restored = ckpt.load_dp_state(resume_from_checkpoint, rank, plan=plan, params=params, state=state,
+                                          sampler=inner, accountant=accountant, meta=_META_TEMPLATE)
+            self._load_hf_checkpoint(resume_from_checkpoint)
             params, state = restored["params"], restored["state"]
             inner.load_state_dict(restored["sampler"].state_dict())
             if accountant is not None:
                 accountant = restored["accountant"]
-            start_step = restored["meta"]["step"]
+            start_step = restored["step"]
             fmodel.load_into_model(params)
         self.accountant = accountant
         # "charged": the steps the accountant has paid for; one more than "step" while a step is being computed
@@ -479,8 +479,8 @@ class DPTrainer(transformers.Trainer):
             return
         os.makedirs(output_dir, exist_ok=True)
         inner = getattr(dp["sampler"], "inner", dp["sampler"])
-        ckpt.save_dp_state(output_dir, dp["rank"], params=dp["params"], state=dp["state"], sampler=inner,
-                           accountant=self.accountant, meta={"seed": dp["seed"], "step": dp["step"]})
+        ckpt.save_dp_state(output_dir, dp["rank"], plan=dp["plan"], params=dp["params"], state=dp["state"],
+                           sampler=inner, accountant=self.accountant, meta={"seed": dp["seed"], "step": dp["step"]})
         if self.args.should_save:
             ckpt.write_accountant_json(output_dir, plan=dp["plan"], steps=dp["step"], epsilon=self._spent_epsilon(),
                                        accountant=self.accountant)
@@ -490,19 +490,6 @@ class DPTrainer(transformers.Trainer):
 
     def _load_hf_checkpoint(self, directory: str) -> None:
         self._load_from_checkpoint(directory)
-
-    def _check_same_plan(self, directory: str, plan: DPPlan) -> None:
-        path = os.path.join(directory, ckpt.ACCOUNTANT_NAME)
-        if not os.path.isfile(path):
-            return
-        saved = ckpt.read_accountant_json(directory)["plan"]
-        mine = plan.to_dict()
-        diff = sorted(k for k in mine if k in saved and saved[k] != mine[k])
-        if diff:
-            raise InputValueError(
-                f"DPTrainer: the checkpoint {directory} was made by another privacy plan (differs in {diff}); resuming "
-                "it under different arguments would change the mechanism mid-run. Resume with the original arguments."
-            )
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
         """Hugging Face's loss (used by ``evaluate``/``predict``; training uses per-example losses)."""

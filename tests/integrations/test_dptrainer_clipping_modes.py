@@ -13,7 +13,7 @@ peft = pytest.importorskip("peft")
 
 import opake_fx.accounting as acc  # noqa: E402
 import opake_fx.dpsgd.accounting as dpsgd_acc  # noqa: E402
-from opake_fx.errors import InputTypeError, InputValueError  # noqa: E402
+from opake_fx.errors import CheckpointError, InputTypeError, InputValueError  # noqa: E402
 from opake_fx.functional import make_functional  # noqa: E402
 from opake_fx.plan import DPPlan  # noqa: E402
 from opake_fx.transformers import DPTrainer, TrainingArguments  # noqa: E402
@@ -103,7 +103,7 @@ def test_a_resumed_run_continues_the_clip_state_and_the_plan(tmp_path, mode):
         other["clipping_norm"] = {**other["clipping_norm"], "fallback": 4.0}
     else:
         other["clipping_kwargs"] = {**other["clipping_kwargs"], "target_quantile": 0.7}
-    with pytest.raises(InputValueError, match=r"another privacy plan \(differs in \['clipping_"):
+    with pytest.raises(CheckpointError, match=r"another privacy plan \(differs in \['clipping_"):
         _train(tmp_path / "cut", resume=str(tmp_path / "cut" / "checkpoint-2"), **ckpt, **other)
 
 
