@@ -257,8 +257,9 @@ class DPTrainer(transformers.Trainer):
         stopped_by_budget = False
         for step in range(start_step, plan.steps):
             indices = list(sampler.batch(step))  # indices of the whole data set (the plan's sampler offsets shards)
-            batch = self._prepare_inputs(collate(indices))
-            if not padding_checked and world == 1 and _has_padding(batch):  # one rank: no collective to strand
+            collated = collate(indices)  # on the host: looking for padding in it syncs no device
+            batch = self._prepare_inputs(collated)
+            if not padding_checked and world == 1 and _has_padding(collated):  # one rank: no collective to strand
                 check_padding_invariance(losses, fmodel, params, batch)
                 padding_checked = True
             if accountant is not None and step >= self._dp["charged"]:
