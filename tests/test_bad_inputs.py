@@ -76,6 +76,33 @@ def _file(kind: str) -> Any:
     return load_checkpoint(path, params={"w": torch.zeros(32)})
 
 
+def _run_file(kind: str) -> Any:
+    from opake_fx.dpsgd.noise import GaussianNoiseState
+    from opake_fx.plan import DPPlan
+
+    def make(nm: float) -> tuple[Any, Any]:
+        plan = DPPlan(dataset_size=40, batch_size=8, steps=4, noise_multiplier=nm, delta=1e-5)
+        return plan, plan.pipeline(lambda p, x: ((x - p) ** 2).sum(), sgd(0.1), key=key(0), batch_argnums=(1,))
+
+    plan, pipeline = make(1.0)
+    params = torch.zeros(2)
+    _, state = pipeline.update((torch.ones(3, 2),), pipeline.init(params), params)
+    path = Path(tempfile.mkdtemp()) / "run.pt"
+    plan.save_checkpoint(path, params=params, state=state)
+    if kind == "rewound":  # rewritten with the noise step of step 0 and a recomputed checksum
+        run = load_checkpoint(path, run={"plan": "", "step": 0})["run"]
+        save_checkpoint(path, params=params, state={**state, "noise": GaussianNoiseState(key(0), step=0)}, run=run)
+    elif kind == "other_plan":
+        plan, pipeline = make(2.0)
+    return plan.load_checkpoint(path, params=params, state=pipeline.init(params))
+
+
+def _tiny_plan() -> Any:
+    from opake_fx.plan import DPPlan
+
+    return DPPlan(dataset_size=1000, batch_size=10, steps=100, noise_multiplier=1e-8, delta=1e-5)
+
+
 def _past_the_end() -> Any:
     sampler = PoissonSampler(10, sample_rate=0.5, n_steps=1, key=key(0))
     list(sampler)
@@ -104,6 +131,12 @@ CASES = [
          "failed its checksum"),
     Case("load_checkpoint", "a file holding a pickled callable", lambda: _file("callable"), CheckpointError,
          "Nothing was imported"),
+    Case("DPPlan.load_checkpoint", "a noise step rewound (checksum recomputed)", lambda: _run_file("rewound"),
+         CheckpointError, "state/noise.step is 0, the run's step is 1"),
+    Case("DPPlan.load_checkpoint", "a checkpoint of another plan", lambda: _run_file("other_plan"), CheckpointError,
+         "made by another privacy plan (differs in ['noise_multiplier']"),
+    Case("DPPlan.accountant", "a noise multiplier too small for a finite epsilon (1e-8)",
+         lambda: _tiny_plan().accountant(), InputValueError, "epsilon at delta=1e-05 is infinite"),
     # --- noise
     Case("gaussian_noise", "noise_multiplier < 0 or NaN", lambda: gaussian_noise(noise_multiplier=-1.0, key=key(0)),
          InputValueError, "noise_multiplier must be a finite number >= 0"),
