@@ -22,15 +22,10 @@ from opake_fx.dpsgd.clipping import clipped_grad
 from opake_fx.dpsgd.clipping._independence import FORWARD_RTOL, PROBE_EXAMPLES
 from opake_fx.errors import InputValueError
 from opake_fx.functional import make_functional
+from tests.dpsgd._attacks import MixingBackward, shift
 
 BACKENDS = ["ghost", "auto"]
 D = 5
-
-
-def _shift(h: torch.Tensor) -> torch.Tensor:
-    """Row i becomes row i - 1 (row 0 becomes zeros): example i reads its predecessor only,
-    so examples 0 and 1 see the same neighbours in batches of 2 and 3 (the old probe's blind spot)."""
-    return torch.cat([torch.zeros_like(h[:1]), h[:-1]])
 
 
 class ReadsPredecessor(nn.Module):
@@ -41,21 +36,9 @@ class ReadsPredecessor(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.a(x))
-        prev = _shift(h)
+        prev = shift(h)
         h = h + self.weight * (prev.detach() if self.detach else prev)
         return self.b(h)[:, 0]
-
-
-class _MixingBackward(torch.autograd.Function):
-    """The identity forward; a backward that adds each example's gradient to its successor's row."""
-
-    @staticmethod
-    def forward(ctx, x):  # noqa: ANN001, ANN205
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):  # noqa: ANN001, ANN205
-        return g + torch.roll(g, 1, 0)
 
 
 class MixesInBackward(nn.Module):
@@ -64,7 +47,7 @@ class MixesInBackward(nn.Module):
         self.a, self.b = nn.Linear(D, 8), nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(_MixingBackward.apply(torch.tanh(self.a(x))))[:, 0]
+        return self.b(MixingBackward.apply(torch.tanh(self.a(x))))[:, 0]
 
 
 class Plain(nn.Module):
@@ -189,7 +172,7 @@ def test_a_detached_read_just_above_the_tolerance_is_refused(backend):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             own = self.a(x)[:, 0]
             # +-1 from the predecessor's first feature (+1 for an example alone); no gradient path
-            s = torch.sign(_shift(x[:, :1])[:, 0] + 1e-3).detach()
+            s = torch.sign(shift(x[:, :1])[:, 0] + 1e-3).detach()
             return own * (1 + 4 * 2 ** -26 * s)  # moves 8 tolerances when s flips
 
     torch.manual_seed(2)
@@ -200,16 +183,18 @@ def test_a_detached_read_just_above_the_tolerance_is_refused(backend):
         _clip(model, _identity, backend, torch.randn(6, D, dtype=torch.float64))
 
 
+def _same_as_vmap(backend: str, x: torch.Tensor) -> None:
+    model = Plain().double()
+    fast, _ = _clip(model, _ce, backend, x, c=0.2)
+    ref, _ = _clip(model, _ce, "vmap", x, c=0.2)
+    for a, b in zip(fast.pytree, ref.pytree):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_independent_models_pass_and_match_vmap(backend):
     torch.manual_seed(3)
-    model = Plain().double()
-    x = torch.randn(9, D, dtype=torch.float64)
-    loss = _ce
-    fast, _ = _clip(model, loss, backend, x, c=0.2)
-    ref, _ = _clip(model, loss, "vmap", x, c=0.2)
-    for a, b in zip(fast.pytree, ref.pytree):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    _same_as_vmap(backend, torch.randn(9, D, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -217,7 +202,6 @@ def test_float32_models_are_checked_too(backend):
     torch.manual_seed(4)
     with pytest.raises(InputValueError, match="mixes examples"):
         _clip(Plain(), _batch_mean_term, backend, torch.randn(7, D))
-    loss = _ce
     _clip(Plain(), _ce, backend, torch.randn(7, D))  # and an independent one passes
 
 
@@ -233,15 +217,10 @@ def test_non_finite_examples_do_not_hide_mixing(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_non_finite_examples_alone_are_not_mixing(backend):
     torch.manual_seed(6)
-    model = Plain().double()
     x = torch.randn(7, D, dtype=torch.float64)
     x[2, 1] = float("nan")
     x[5, 0] = float("inf")
-    loss = _ce
-    fast, _ = _clip(model, loss, backend, x, c=0.2)
-    ref, _ = _clip(model, loss, "vmap", x, c=0.2)
-    for a, b in zip(fast.pytree, ref.pytree):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    _same_as_vmap(backend, x)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -258,9 +237,9 @@ def test_a_differentiable_dependence_of_any_size_is_refused(backend, reads):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = self.a(x)
             if reads == "predecessor":
-                other = _shift(h)
+                other = shift(h)
             elif reads == "successor":
-                other = torch.flip(_shift(torch.flip(h, [0])), [0])
+                other = torch.flip(shift(torch.flip(h, [0])), [0])
             else:
                 other = torch.cat([h[1:2], torch.zeros_like(h[1:])])
             return self.b(h + 1e-12 * other)[:, 0]

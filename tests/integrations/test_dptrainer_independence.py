@@ -18,22 +18,13 @@ transformers = pytest.importorskip("transformers")
 
 from opake_fx.errors import InputValueError  # noqa: E402
 from opake_fx.transformers import DPTrainer, TrainingArguments  # noqa: E402
+from tests.dpsgd._attacks import MixingBackward, shift  # noqa: E402
 from tests.integrations import _hf_trainer as hf  # noqa: E402
-
-
-class _MixingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):  # noqa: ANN001, ANN205
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):  # noqa: ANN001, ANN205
-        return g + torch.roll(g, 1, 0)
 
 
 def _reads_predecessor(outputs, batch):
     z = outputs.logits
-    z = z + 0.5 * torch.cat([torch.zeros_like(z[:1]), z[:-1]])
+    z = z + 0.5 * shift(z)
     return F.cross_entropy(z, batch["labels"], reduction="none")
 
 
@@ -43,7 +34,7 @@ def _centred(outputs, batch):
 
 
 def _mixing_backward(outputs, batch):
-    return F.cross_entropy(_MixingBackward.apply(outputs.logits), batch["labels"], reduction="none")
+    return F.cross_entropy(MixingBackward.apply(outputs.logits), batch["labels"], reduction="none")
 
 
 def _independent(outputs, batch):
