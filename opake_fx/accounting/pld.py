@@ -306,6 +306,8 @@ def _grid_for(components: tuple[tuple[Any, int], ...], d: float) -> float:
     not be gridded at all), while the coarser grid is as pessimistic and answers at once.
     """
     for leaf, _ in components:
+        if math.isinf(leaf._gaussian_mu() or 0.0):  # nonprivate(): no curve, the composition is all at +inf
+            continue
         if any(not (-_pmf.LOSS_CAP <= r.lo and r.hi <= _pmf.LOSS_CAP) for r in leaf._directions()):
             return d * max(1, math.ceil(2.0 * _pmf.LOSS_CAP / _CAPPED_POINTS / d))
     return d
