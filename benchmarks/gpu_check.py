@@ -37,9 +37,14 @@ Checks, each printed as ``PASS``/``FAIL`` with its measured error:
   have mean 0 and variance 1 within 6 standard errors of 2**22 draws; ``gaussian_noise``
   keeps the gradient on the device and adds noise of std ``noise_multiplier * max_norm``.
 
+* **GPT-2 small** (``--gpt2``) — non-private, ``vmap``, ``auto`` and Opacus hooks on GPT-2
+  small built from a config (batch 16 x 256 tokens, float32, untied head, eager attention):
+  median step time, the ratio to non-private, kernel launches and host synchronisations
+  (``aten::_local_scalar_dense``) per step from one profiled step.
+
 Usage::
 
-    python benchmarks/gpu_check.py                          # checks on cuda, then the benchmark
+    python benchmarks/gpu_check.py --gpt2                   # checks on cuda, GPT-2 small, then the benchmark
     python benchmarks/gpu_check.py --no-bench               # checks only
     python benchmarks/gpu_check.py --device cpu --no-bench  # the checks on the CPU
 
@@ -399,10 +404,122 @@ def run_checks(device: str) -> Report:
     return report
 
 
+# GPT-2 small as the compiled-step issue measures it (untied head, eager attention, float32).
+GPT2_SMALL = dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
+GPT2_VARIANTS = ("non-private", "opake-vmap", "opake-auto", "opacus-hooks")
+
+
+def gpt2_step(variant: str, device: str, batch: int, seq: int, config: dict[str, int]) -> Callable[[], None]:
+    """One SGD step of ``variant`` on GPT-2 built from ``config`` (no weights loaded), next-token loss,
+    clip 1, noise multiplier 1 (opake: ``gaussian_noise``; Opacus: its own)."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(**config, tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = "eager"
+    model = transformers.GPT2LMHeadModel(cfg).to(device).train()
+    ids = torch.randint(0, config["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    positions = torch.arange(seq, device=device).expand(batch, seq)
+
+    def losses(out: Any, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.logits[:, :-1].transpose(1, 2), y[:, 1:], reduction="none").mean(1)
+
+    if variant in ("non-private", "opacus-hooks"):
+        if variant == "opacus-hooks":
+            from opacus import GradSampleModule
+            from opacus.optimizers import DPOptimizer
+
+            model = GradSampleModule(model, loss_reduction="mean")
+            opt: Any = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), noise_multiplier=1.0, max_grad_norm=1.0,
+                                   expected_batch_size=batch, loss_reduction="mean")
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def plain() -> None:
+            opt.zero_grad(set_to_none=True)
+            losses(model(input_ids=ids, position_ids=positions), ids).mean().backward()
+            opt.step()
+
+        return plain
+    fmodel, params = make_functional(model)
+    if variant == "opake-vmap":
+        loss = lambda p, x, y, pos: losses(fmodel(p, input_ids=x[None], position_ids=pos[None]), y[None])[0]  # noqa: E731
+        grad_fn, cstate = clipped_grad(loss, clipping_norm=1.0, batch_argnums=(1, 2, 3), normalize_by=batch)
+    else:
+        loss = lambda p, x, y, pos: losses(fmodel(p, input_ids=x, position_ids=pos), y)  # noqa: E731
+        grad_fn, cstate = clipped_grad(loss, clipping_norm=1.0, batch_argnums=(1, 2, 3), normalize_by=batch,
+                                       clip_backend="auto", model=fmodel)
+    noise_fn, nstate = gaussian_noise(noise_multiplier=1.0, key=key(0))
+    state: dict[str, Any] = {"params": list(params), "clip": cstate, "noise": nstate}
+
+    def dp() -> None:
+        clipped, state["clip"] = grad_fn(tuple(state["params"]), ids, ids, positions, state=state["clip"])
+        noised, state["noise"] = noise_fn(clipped, state["noise"])
+        torch._foreach_add_(state["params"], list(noised.pytree), alpha=-1e-3)
+
+    return dp
+
+
+def time_gpt2(device: str, batch: int = 16, seq: int = 256, config: dict[str, int] | None = None, steps: int = 3,
+              variants: tuple[str, ...] = GPT2_VARIANTS) -> list[dict[str, Any]]:
+    """Median step time, kernel launches and host synchronisations per step of each variant.
+
+    Launches are the profiler's ``cudaLaunchKernel``-like runtime calls on CUDA (0 on the
+    CPU); host synchronisations are ``aten::_local_scalar_dense`` calls (``.item()``,
+    ``bool(tensor)``: counted on the CPU too), both from one profiled step after the timed ones.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    rows = []
+    for variant in variants:
+        try:
+            step = gpt2_step(variant, device, batch, seq, config or GPT2_SMALL)
+            for _ in range(2):  # warm-up: the first calls probe and cache
+                step()
+            times = []
+            for _ in range(steps):
+                sync()
+                t0 = time.perf_counter()
+                step()
+                sync()
+                times.append(time.perf_counter() - t0)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
+            with profile(activities=activities) as prof:
+                step()
+                sync()
+            counts = {e.key: e.count for e in prof.key_averages()}
+            launches = sum(c for k, c in counts.items() if k.startswith("cudaLaunchKernel") or k == "cuLaunchKernel")
+            syncs = counts.get("aten::_local_scalar_dense", 0)
+            rows.append({"variant": variant, "ms": 1e3 * sorted(times)[len(times) // 2], "launches": launches,
+                         "syncs": syncs, "error": ""})
+        except Exception as e:  # noqa: BLE001 - a variant that cannot run (Opacus on this model) is reported
+            rows.append({"variant": variant, "ms": math.nan, "launches": 0, "syncs": 0,
+                         "error": f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"})
+        finally:
+            step = None  # type: ignore[assignment]
+            if device != "cpu":
+                torch.cuda.empty_cache()
+    base = next((r["ms"] for r in rows if r["variant"] == "non-private"), math.nan)
+    for r in rows:
+        r["ratio"] = r["ms"] / base
+    return rows
+
+
+def gpt2_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| variant | step (ms) | x non-private | kernel launches / step | host syncs / step | note |",
+             "|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['ms']:.1f} | {r['ratio']:.2f}x | {r['launches']} | {r['syncs']} | {r['error']} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-bench", action="store_true", help="skip benchmarks/clipping.py --quick")
+    ap.add_argument("--gpt2", action="store_true", help="also time GPT-2 small (batch 16 x 256 tokens) per variant")
     args = ap.parse_args()
     if args.device != "cpu" and not torch.cuda.is_available():
         sys.exit(f"--device {args.device}: torch {torch.__version__} sees no CUDA device; use --device cpu.")
@@ -410,6 +527,10 @@ def main() -> None:
     print(f"torch {torch.__version__} on {where}", flush=True)
     report = run_checks(args.device)
     print(f"{sum(line.startswith('PASS') for line in report.lines)} of {len(report.lines)} checks passed", flush=True)
+    if args.gpt2:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        print("GPT-2 small, batch 16 x 256 tokens, float32, eager attention, untied head:", flush=True)
+        print(gpt2_table(time_gpt2(args.device)), flush=True)
     if not args.no_bench:
         subprocess.run([sys.executable, str(Path(__file__).with_name("clipping.py")), "--quick", "--device", args.device,
                         "--variants", ",".join(v for v in bench.VARIANTS if v != "opake-auto+randn") + ",opake-auto-ahead"],

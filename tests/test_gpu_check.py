@@ -58,3 +58,15 @@ def test_an_accepted_mixing_model_is_reported(gpu_check, monkeypatch):
     report = gpu_check.Report()
     gpu_check.check_independence("cpu", report)
     assert len(report.lines) == 4 and all(line.startswith("FAIL") for line in report.lines)
+
+
+def test_the_gpt2_timing_runs_on_a_tiny_config(gpu_check):
+    pytest.importorskip("transformers")
+    tiny = dict(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=16)
+    rows = gpu_check.time_gpt2("cpu", batch=3, seq=8, config=tiny, steps=1)
+    by = {r["variant"]: r for r in rows}
+    assert list(by) == list(gpu_check.GPT2_VARIANTS)
+    for v in ("non-private", "opake-vmap", "opake-auto"):
+        assert by[v]["error"] == "" and by[v]["ms"] > 0 and by[v]["launches"] == 0  # no CUDA kernels on the CPU
+    assert by["non-private"]["ratio"] == 1.0
+    assert "| opake-auto |" in gpu_check.gpt2_table(rows)
