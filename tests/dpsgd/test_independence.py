@@ -20,7 +20,7 @@ from torch import nn
 
 from opake_fx.dpsgd.clipping import clipped_grad
 from opake_fx.dpsgd.clipping._independence import FORWARD_RTOL, PROBE_EXAMPLES
-from opake_fx.errors import InputValueError
+from opake_fx.errors import InputValueError, SlowPathWarning
 from opake_fx.functional import make_functional
 from tests.dpsgd._attacks import MixingBackward, shift
 
@@ -63,10 +63,12 @@ def _labels(x: torch.Tensor) -> torch.Tensor:
     return (x[:, 0] > 0).long() + (x[:, 1] > 0).long()  # in 0..2, from each example's own features
 
 
-def _clip(model: nn.Module, loss, backend: str, x: torch.Tensor, c: float = 1.0):
+def _clip(model: nn.Module, loss, backend: str, x: torch.Tensor, c: float = 1.0, warn: bool = False):
     fmodel, params = make_functional(model)
     fn, state = clipped_grad(lambda p, xb, yb: loss(fmodel(p, xb), yb), clipping_norm=c, batch_argnums=(1, 2),
                              clip_backend=backend, model=fmodel)
+    if warn:
+        return fn(params, x, _labels(torch.nan_to_num(x)), state=state)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return fn(params, x, _labels(torch.nan_to_num(x)), state=state)
@@ -247,3 +249,37 @@ def test_a_differentiable_dependence_of_any_size_is_refused(backend, reads):
     torch.manual_seed(7)
     with pytest.raises(InputValueError, match="mixes examples: in the backward pass"):
         _clip(Faint().double(), _identity, backend, torch.randn(6, D, dtype=torch.float64))
+
+
+def _noisy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return _ce(out + 0.1 * torch.randn_like(out), y)  # noise from torch's global generator, even in eval mode
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_loss_drawing_global_random_numbers_takes_the_exact_path_not_a_refusal(backend):
+    # An example alone cannot equal itself in the batch when the loss draws noise: randomness, not
+    # mixing. The exact per-example path runs, and says why.
+    torch.manual_seed(8)
+    with pytest.warns(SlowPathWarning, match="draws random numbers"):
+        clipped, _ = _clip(Plain().double(), _noisy, backend, torch.randn(6, D, dtype=torch.float64), warn=True)
+    assert all(torch.isfinite(t).all() for t in clipped.pytree)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_guard_leaves_the_callers_random_stream_alone(backend):
+    # The first call runs the guard (which draws, through the loss) and then the exact path; a later
+    # call runs the exact path only. From the same seed both must leave the same stream behind.
+    x = torch.randn(6, D, dtype=torch.float64)
+    fmodel, params = make_functional(Plain().double())
+    fn, state = clipped_grad(lambda p, xb, yb: _noisy(fmodel(p, xb), yb), clipping_norm=1.0, batch_argnums=(1, 2),
+                             clip_backend=backend, model=fmodel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(9)
+        first, _ = fn(params, x, _labels(x), state=state)
+        after_first = torch.rand(3)
+        torch.manual_seed(9)
+        again, _ = fn(params, x, _labels(x), state=state)
+    assert torch.equal(torch.rand(3), after_first)
+    for a, b in zip(first.pytree, again.pytree):
+        assert torch.equal(a, b)

@@ -29,6 +29,11 @@ first ``PROBE_EXAMPLES`` examples of the batch:
   where the model runs in float64 (parameters, buffers and floating inputs are cast for
   the check and restored), else within ``sqrt`` of the loss dtype's epsilon.
 
+The check draws from private copies of torch's random generators (``fork_rng``), so the
+caller's random stream is the same with or without it. A loss that draws random numbers
+from the global generator even in eval mode (two runs on the same examples differ) cannot
+be compared with itself alone: :class:`Uncheckable`.
+
 Examples whose loss is not finite are left out of both checks (their weight is 0); with
 fewer than two finite examples the check is undecided, and the backend takes the exact
 per-example path for that call (and checks again at the next). A loss whose probe cannot
@@ -95,22 +100,41 @@ def check_independence(root: nn.Module, loss_fn: Callable[..., Any], args: tuple
     sub = _take(args, batch_argnums, torch.arange(n))
     modes = [(m, m.training) for m in root.modules()]
     try:
-        root.eval()  # deterministic: dropout off
-        backward: str | None = None
-        for with_inputs in (True, False):  # an input edited in place cannot require grad: watch without it
-            try:
-                backward = _backward_structure(root, loss_fn, sub, kwargs, batch_argnums, has_aux, n, rows_of,
-                                               broadcast_candidate, broadcast_rows, with_inputs)
-                break
-            except Exception as e:  # noqa: BLE001 - the loss cannot be differentiated on the probe
-                backward = Uncheckable(f"the loss could not be differentiated on the probe ({type(e).__name__}: "
-                                       f"{str(e).splitlines()[0] if str(e) else ''})")
-        if backward is not None:
-            return backward
-        return _forward_alone(root, loss_fn, sub, kwargs, batch_argnums, has_aux, n)
+        with private_random_streams():
+            return _check(root, loss_fn, sub, kwargs, batch_argnums, has_aux, n, rows_of, broadcast_candidate,
+                          broadcast_rows)
     finally:
         for m, mode in modes:
             m.training = mode
+
+
+@contextmanager
+def private_random_streams() -> Iterator[None]:
+    """Runs the body on copies of torch's CPU generator (and the current CUDA device's, if in
+    use), restored afterwards: probing a loss leaves the caller's random stream as it was."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def _check(root: nn.Module, loss_fn: Callable[..., Any], sub: tuple[Any, ...], kwargs: dict[str, Any],
+           batch_argnums: tuple[int, ...], has_aux: bool, n: int, rows_of: RowsOf,
+           broadcast_candidate: Callable[[nn.Module], bool],
+           broadcast_rows: Callable[[nn.Module, int, torch.Tensor, int], int]) -> str | None:
+    """The two checks, in eval mode (deterministic: dropout off; the caller restores the modes)."""
+    root.eval()
+    backward: str | None = None
+    for with_inputs in (True, False):  # an input edited in place cannot require grad: watch without it
+        try:
+            backward = _backward_structure(root, loss_fn, sub, kwargs, batch_argnums, has_aux, n, rows_of,
+                                           broadcast_candidate, broadcast_rows, with_inputs)
+            break
+        except Exception as e:  # noqa: BLE001 - the loss cannot be differentiated on the probe
+            backward = Uncheckable(f"the loss could not be differentiated on the probe ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''})")
+    if backward is not None:
+        return backward
+    return _forward_alone(root, loss_fn, sub, kwargs, batch_argnums, has_aux, n)
 
 
 # --- the backward structure ---------------------------------------------------------
@@ -215,7 +239,10 @@ def _forward_alone(root: nn.Module, loss_fn: Callable[..., Any], sub: tuple[Any,
             with torch.no_grad(), (_in_float64(root) if wide else _unchanged()):
                 run = _to_float64(sub) if wide else sub
                 kw = _to_float64(kwargs) if wide else kwargs
+                torch.manual_seed(1)
                 together = _losses(loss_fn(*run, **kw), has_aux)
+                torch.manual_seed(2)
+                again = _losses(loss_fn(*run, **kw), has_aux)
                 alone = [_losses(loss_fn(*_take(run, batch_argnums, torch.tensor([i])), **kw), has_aux) for i in range(n)]
         except Exception as e:  # noqa: BLE001 - e.g. a model that builds float32 tensors itself: try its own dtype
             failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -224,6 +251,11 @@ def _forward_alone(root: nn.Module, loss_fn: Callable[..., Any], sub: tuple[Any,
             return UNDECIDED
         if wide and together.dtype != torch.float64:
             continue  # the loss did not run in float64 after all
+        if again is None or not torch.equal(torch.nan_to_num(together), torch.nan_to_num(again)):
+            return Uncheckable(
+                "the loss draws random numbers from torch's global generator in eval mode (two runs on the same "
+                "examples differ), so an example alone cannot be compared with the example in the batch; draw "
+                "augmentation from keys (opake_fx.augmult) or module dropout to keep the fast path")
         single = torch.stack([a.reshape(()) for a in alone]).double()
         together = together.double()
         rtol = FORWARD_RTOL if wide else math.sqrt(torch.finfo(_dtype_of(sub, together)).eps)

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from opake_fx.dpsgd.clipping import _registry
-from opake_fx.dpsgd.clipping._independence import UNDECIDED, Uncheckable, check_independence
+from opake_fx.dpsgd.clipping._independence import UNDECIDED, Uncheckable, check_independence, private_random_streams
 from opake_fx.dpsgd.clipping._rules_elementwise import watch
 from opake_fx.dpsgd.clipping._rules_fallback import FALLBACK
 from opake_fx.pytree import NAMESPACE
@@ -108,6 +108,12 @@ def probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], k
     Returns an empty layout (every call undecidable) when the loss cannot run on the
     sub-batches or the two runs call different modules.
     """
+    with private_random_streams():  # a loss that draws from torch's generators leaves the caller's stream as it was
+        return _probe(root, loss_fn, args, kwargs, batch_argnums, has_aux, batch)
+
+
+def _probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+           batch_argnums: tuple[int, ...], has_aux: bool, batch: int) -> BatchLayout:
     runs: list[list[_Call]] = []
     modes = [(m, m.training) for m in root.modules()]
     try:
