@@ -50,7 +50,7 @@ runs each example alone and is independent by construction.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import optree
@@ -99,10 +99,9 @@ def check_independence(root: nn.Module, loss_fn: Callable[..., Any], args: tuple
         return None
     sub = _take(args, batch_argnums, torch.arange(n))
     modes = [(m, m.training) for m in root.modules()]
-    try:
-        with private_random_streams():
-            return _check(root, loss_fn, sub, kwargs, batch_argnums, has_aux, n, rows_of, broadcast_candidate,
-                          broadcast_rows)
+    try:  # (on private random streams: the caller, probe(), runs it inside private_random_streams())
+        return _check(root, loss_fn, sub, kwargs, batch_argnums, has_aux, n, rows_of, broadcast_candidate,
+                      broadcast_rows)
     finally:
         for m, mode in modes:
             m.training = mode
@@ -236,7 +235,7 @@ def _forward_alone(root: nn.Module, loss_fn: Callable[..., Any], sub: tuple[Any,
     failure = ""
     for wide in (True, False):
         try:
-            with torch.no_grad(), (_in_float64(root) if wide else _unchanged()):
+            with torch.no_grad(), (_in_float64(root) if wide else nullcontext()):
                 run = _to_float64(sub) if wide else sub
                 kw = _to_float64(kwargs) if wide else kwargs
                 torch.manual_seed(1)
@@ -301,11 +300,6 @@ def _in_float64(root: nn.Module) -> Iterator[None]:
     finally:
         for store, name, t in reversed(saved):
             store[name] = t
-
-
-@contextmanager
-def _unchanged() -> Iterator[None]:
-    yield
 
 
 def _to_float64(tree: Any) -> Any:
