@@ -21,7 +21,10 @@ construction (``max_norm`` a real number > 0, or ``inf`` for "not clipped";
 anything else that rebuilds the node from its leaves — returns the *plain* inner pytree,
 which noise stages refuse. The operations that keep the guarantee prove it: ``*`` and
 ``/`` by a public scalar (``max_norm`` scales by ``|factor|``), and
-:meth:`ClippedPytree.map` with a declared Lipschitz bound.
+:meth:`ClippedPytree.map` (one function for every leaf) or
+:meth:`ClippedPytree.map_with_path` (a function of the leaf's path, e.g. a per-layer
+scale) with a declared Lipschitz bound. On a :class:`NoisedPytree`,
+``map_with_path`` needs no bound: it is post-processing.
 
 Example:
     >>> import torch
@@ -47,7 +50,7 @@ import optree
 import torch
 
 from opake_fx.errors import InputTypeError, InputValueError
-from opake_fx.pytree import NAMESPACE, tree_map
+from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths, tree_map
 
 __all__ = [
     "PerGroup",
@@ -158,8 +161,8 @@ class ClippedPytree:
     Privacy contract: adding or removing one example changes ``pytree`` by at most
     ``max_norm`` in L2 norm (``max_norm.effective`` for :class:`PerGroup`). The only
     operations that keep the wrapper are multiplication or division by a public scalar
-    (``max_norm`` scales by ``|factor|``), :meth:`map` with a declared Lipschitz
-    bound, and :meth:`to` for a device move or a widening cast (a rounding cast is
+    (``max_norm`` scales by ``|factor|``), :meth:`map` and :meth:`map_with_path` with a
+    declared Lipschitz bound, and :meth:`to` for a device move or a widening cast (a rounding cast is
     refused). Any other map (:func:`opake_fx.pytree.tree_map` included) returns the plain
     pytree, which noise stages refuse; re-wrap it only with a ``max_norm`` you can justify.
 
@@ -228,8 +231,57 @@ class ClippedPytree:
         factor = _lipschitz(lipschitz, type(self).__name__)
         return self._mapped(fn, factor)
 
+    def map_with_path(self, fn: Callable[[ParamPath, Any], Any], *, lipschitz: float) -> ClippedPytree:
+        """Applies ``fn(path, leaf)`` to every tensor leaf; ``max_norm`` becomes ``lipschitz * max_norm``.
+
+        A per-leaf map: ``path`` is the leaf's path in ``pytree`` (the tuple of keys and
+        indices, as :func:`opake_fx.pytree.tree_flatten_with_paths` gives it, e.g.
+        ``("encoder", "weight")``), so each layer can get its own function (a per-layer
+        scale, a per-layer clamp) without unwrapping and re-wrapping by hand.
+
+        Args:
+            fn: ``fn(path, leaf) -> new leaf``; a function of that one leaf and public
+                constants (the path, hyperparameters) only.
+            lipschitz: ``L`` > 0 with ``L >= L_p`` for every leaf path ``p``, where ``L_p``
+                bounds the leaf's own map: ``||fn(p, x) - fn(p, y)|| <= L_p * ||x - y||``
+                (L2 over the leaf) for all ``x, y``. Pass the **maximum** over leaves of
+                the per-leaf bounds: e.g. ``max(|s_p|)`` for a per-layer scale
+                ``x -> s_p * x``.
+
+        Returns:
+            A ``ClippedPytree`` (a :class:`NoisedPytree` for one) holding ``fn``'s outputs.
+
+        Privacy: with ``x_p``, ``y_p`` the leaves of two neighbouring values,
+        ``||F(x) - F(y)||**2 = sum_p ||fn(p, x_p) - fn(p, y_p)||**2
+        <= sum_p L_p**2 ||x_p - y_p||**2 <= (max_p L_p)**2 ||x - y||**2``, so the output's
+        sensitivity (add-or-remove-one) is at most ``lipschitz * max_norm`` when
+        ``lipschitz >= max_p L_p``. The bound needs each leaf's output to depend on that
+        leaf alone: a ``fn`` that reads other leaves (or private data) through a closure
+        voids it. A wrong declaration is the caller's privacy bug, as for :meth:`map`. A
+        per-group ``max_norm`` is scaled as a whole (every group by ``lipschitz``).
+
+        Raises:
+            InputValueError: ``lipschitz`` is not a finite real number > 0.
+
+        Example:
+            >>> import torch
+            >>> g = ClippedPytree({"w": torch.ones(2), "b": torch.ones(1)}, max_norm=0.5)
+            >>> scales = {"w": 2.0, "b": 0.5}
+            >>> out = g.map_with_path(lambda path, x: scales[path[-1]] * x, lipschitz=max(scales.values()))
+            >>> out.max_norm, out.pytree["w"].tolist(), out.pytree["b"].tolist()
+            (1.0, [2.0, 2.0], [0.5])
+        """
+        factor = _lipschitz(lipschitz, type(self).__name__, "map_with_path")
+        return self._mapped_with_path(fn, factor)
+
     def _mapped(self, fn: Callable[[Any], Any], factor: float) -> ClippedPytree:
         return replace(self, pytree=tree_map(fn, self.pytree), max_norm=factor * self.max_norm)
+
+    def _mapped_with_path(self, fn: Callable[[ParamPath, Any], Any], factor: float | None) -> ClippedPytree:
+        # factor None: no bound stated (post-processing of a NoisedPytree only), max_norm becomes inf
+        paths, leaves, spec = tree_flatten_with_paths(self.pytree)
+        mapped = optree.tree_unflatten(spec, [fn(path, leaf) for path, leaf in zip(paths, leaves)])
+        return replace(self, pytree=mapped, max_norm=math.inf if factor is None else factor * self.max_norm)
 
     def _scaled(self, factor: float) -> ClippedPytree:
         if factor == 0.0:
@@ -342,6 +394,32 @@ class NoisedPytree(ClippedPytree):
         """
         factor = _lipschitz(lipschitz, type(self).__name__)
         return replace(self._mapped(fn, factor), noise_stddev=None)
+
+    def map_with_path(self, fn: Callable[[ParamPath, Any], Any], *, lipschitz: float | None = None) -> NoisedPytree:
+        """Post-processing: applies ``fn(path, leaf)`` to every leaf; the result is still a ``NoisedPytree``.
+
+        As :meth:`ClippedPytree.map_with_path`, but no Lipschitz bound is needed: anything
+        computed from a noised value (and public data) is post-processing of the Gaussian
+        mechanism, so the output keeps the privacy guarantee of the noise that was added.
+        ``noise_stddev`` becomes ``None`` (a per-leaf map leaves no single known stddev;
+        use ``*`` or ``/`` by a public scalar to keep an exact one). ``max_norm``, the
+        sensitivity of the value before noise, becomes ``lipschitz * max_norm`` when
+        ``lipschitz`` (the maximum over leaves of the per-leaf bounds, as there) is given,
+        and ``inf`` (no bound stated) when it is not.
+
+        Privacy: post-processing; ``fn`` must read only its leaf, the path and public data
+        (a closure over private data, the clipped gradient included, is not
+        post-processing).
+
+        Example:
+            >>> import torch
+            >>> n = NoisedPytree({"w": torch.ones(2), "b": torch.ones(1)}, max_norm=0.5, noise_stddev=1.0)
+            >>> out = n.map_with_path(lambda path, x: x * (2.0 if path == ("w",) else 1.0))
+            >>> type(out).__name__, out.noise_stddev, out.pytree["w"].tolist()
+            ('NoisedPytree', None, [2.0, 2.0])
+        """
+        factor = None if lipschitz is None else _lipschitz(lipschitz, type(self).__name__, "map_with_path")
+        return replace(self._mapped_with_path(fn, factor), noise_stddev=None)
 
     def _scaled(self, factor: float) -> NoisedPytree:
         out = super()._scaled(factor)
@@ -466,10 +544,10 @@ def _check_noise_stddev(stddev: Any) -> Any:
     return value
 
 
-def _lipschitz(lipschitz: Any, owner: str) -> float:
+def _lipschitz(lipschitz: Any, owner: str, method: str = "map") -> float:
     if isinstance(lipschitz, bool) or not isinstance(lipschitz, Real) or not (0 < float(lipschitz) < math.inf):
         raise InputValueError(
-            f"{owner}.map needs lipschitz, a finite real number > 0 bounding how much fn can stretch distances "
+            f"{owner}.{method} needs lipschitz, a finite real number > 0 bounding how much fn can stretch distances "
             f"(|a| for x -> a * x + b, 1 for a clamp); got {lipschitz!r}. Without a bound, map `.pytree` yourself: "
             "the result is then a plain pytree, which noise stages refuse."
         )
