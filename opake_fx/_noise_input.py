@@ -64,7 +64,10 @@ def check_clipped_input(x: Any, noise_multiplier: float, *, mechanism: str) -> N
     if not isinstance(x, ClippedPytree):
         raise NoiseInputError(
             f"{mechanism} expects a ClippedPytree (the output of clipped_grad or the clip stage); "
-            f"got {type(x).__name__}. Clip first: noise on unclipped gradients has no privacy guarantee."
+            f"got {type(x).__name__}. Clip first: noise on unclipped gradients has no privacy guarantee. If you did "
+            "clip, a map between clip and noise (tree_map, a hand-written stage) dropped the sensitivity bound: map "
+            "the clipped gradient with g.map(fn, lipschitz=L) or g.map_with_path(fn, lipschitz=L), or scale it by a "
+            "public scalar (g * a), which keep it."
         )
     if noise_multiplier > 0 and not math.isfinite(x.sensitivity):
         raise NoiseInputError(

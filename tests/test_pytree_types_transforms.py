@@ -8,6 +8,7 @@ import optree
 import pytest
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 
 from opake_fx import pytree as pt
 from opake_fx.errors import InputTypeError, InputValueError
@@ -148,3 +149,41 @@ def test_clipped_pytree_to_refuses_a_rounding_cast_but_not_a_widening_one():
     noised = NoisedPytree((torch.ones(2),), max_norm=0.25, noise_stddev=1.0)
     out = noised.to(torch.bfloat16)  # post-processing
     assert out.pytree[0].dtype == torch.bfloat16 and out.noise_stddev == 1.0
+
+
+@given(tree=pytrees(max_leaves=5, nested=True), seed=st.integers(0, 2**16))
+def test_map_with_path_applies_each_leaf_its_own_map_and_scales_max_norm_by_the_declared_max(tree, seed):
+    paths, leaves, _ = pt.tree_flatten_with_paths(tree)
+    gen = torch.Generator().manual_seed(seed)
+    scales = {p: float(torch.empty(()).uniform_(-3, 3, generator=gen)) or 1.0 for p in paths}
+    bound = max(abs(v) for v in scales.values())
+    g = ClippedPytree(tree, max_norm=0.5)
+    out = g.map_with_path(lambda path, x: scales[path] * x, lipschitz=bound)
+    assert type(out) is ClippedPytree and out.max_norm == pytest.approx(0.5 * bound)
+    out_paths, out_leaves, _ = pt.tree_flatten_with_paths(out.pytree)
+    assert out_paths == paths
+    for p, before, after in zip(paths, leaves, out_leaves):
+        assert torch.equal(after, scales[p] * before)
+    # the declared bound holds for this map: ||F(x) - F(y)|| <= bound * ||x - y|| for a neighbour y
+    other = pt.tree_map(lambda x: x + torch.randn(x.shape, generator=gen), tree)
+    moved = g.map_with_path(lambda path, x: scales[path] * x, lipschitz=bound)
+    moved_other = ClippedPytree(other, max_norm=0.5).map_with_path(lambda path, x: scales[path] * x, lipschitz=bound)
+    dist = float(pt.global_norm(pt.sub(moved.pytree, moved_other.pytree)))
+    assert dist <= bound * float(pt.global_norm(pt.sub(tree, other))) * (1 + 1e-5) + 1e-6
+
+
+def test_map_with_path_on_clipped_needs_a_bound_and_on_noised_is_post_processing():
+    g = ClippedPytree({"w": torch.ones(2), "b": torch.ones(1)}, max_norm=0.5)
+    for bad in (0.0, -1.0, math.inf, math.nan, True):
+        with pytest.raises(InputValueError, match="map_with_path needs lipschitz"):
+            g.map_with_path(lambda path, x: x, lipschitz=bad)
+    with pytest.raises(TypeError):
+        g.map_with_path(lambda path, x: x)  # no bound: a ClippedPytree cannot be mapped freely
+    pg = ClippedPytree({"w": torch.ones(2)}, max_norm=PerGroup({"w": "all"}, {"all": 2.0}))
+    assert pg.map_with_path(lambda path, x: 3 * x, lipschitz=3.0).max_norm.values["all"] == 6.0
+    n = NoisedPytree({"w": torch.ones(2), "b": torch.ones(1)}, max_norm=0.5, noise_stddev=1.0)
+    free = n.map_with_path(lambda path, x: x.clamp(max=0.5) if path == ("b",) else 4 * x)
+    assert type(free) is NoisedPytree and free.noise_stddev is None and free.max_norm == math.inf
+    assert free.pytree["w"].tolist() == [4.0, 4.0] and free.pytree["b"].tolist() == [0.5]
+    bounded = n.map_with_path(lambda path, x: 4 * x, lipschitz=4.0)
+    assert type(bounded) is NoisedPytree and bounded.max_norm == 2.0 and bounded.noise_stddev is None
