@@ -253,8 +253,28 @@ class DPTrainer(transformers.Trainer):
             self._evaluate(trial, ignore_keys_for_eval, skip_scheduler=True)
         self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
         start_time = time.time()
-        loss_sum, loss_count, last_loss = 0.0, 0, float("nan")
         stopped_by_budget = False
+        logging_on = _strategy(args.logging_strategy) != "no"
+        logged_step = start_step  # the last step whose loss, epsilon and delta are in the log
+        # the logged loss of a batch that is empty on every rank is that of the most recent non-empty one
+        # (``last_indices``, this rank's), or of the first training examples before there is one
+        last_indices: list[int] = []
+        first_examples = list(range(min(len(dataset), _PROBE_EXAMPLES)))
+
+        def log_step(at_params: Any, tensors: dict[str, torch.Tensor], lr_step: int) -> None:
+            """Logs the loss of ``tensors`` at ``at_params`` (the parameters the step was computed at),
+            the learning rate of step ``lr_step`` (from 0), the epsilon spent and the plan's delta."""
+            candidates = [lambda: tensors, lambda: self._collated_tensors(collate, last_indices),
+                          lambda: self._collated_tensors(collate, first_examples)]
+            logs = {"loss": self._logged_loss(losses, fmodel, at_params, candidates),
+                    "learning_rate": float(optimizer_lr(args, plan, lr_step)),
+                    "epsilon": self._spent_epsilon(), "delta": float(plan.delta)}
+            if plan.clipping_mode == "adaptive":  # a function of the noised counts: released and accounted
+                logs["clipping_norm"] = float(state["clip"].clipping_norm)
+            self.log(logs, start_time)
+
+        if resume_from_checkpoint is not None:  # last: nothing of the set-up draws from the restored streams
+            self._restore_random_streams(resume_from_checkpoint)
         for step in range(start_step, plan.steps):
             indices = list(sampler.batch(step))  # indices of the whole data set (the plan's sampler offsets shards)
             collated = collate(indices)  # on the host: looking for padding in it syncs no device
@@ -268,15 +288,16 @@ class DPTrainer(transformers.Trainer):
                 except BudgetExceededError:
                     logger.warning("DPTrainer: stopping before step %d: it would exceed the privacy budget.", step + 1)
                     stopped_by_budget = self._dp["exhausted"] = True
+                    if logging_on and logged_step < step:  # the run's end is logged: the loss, at the final
+                        # parameters, of the batch drawn for the step not taken (the last step's is gone)
+                        log_step(params, {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, max(step - 1, 0))
                     break
                 self._dp["charged"] = step + 1
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             model.train()  # an evaluation in between leaves the model in eval mode
             keys = tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor)))
             tensors = tuple(batch[k] for k in keys)
-            if self._will_log(step + 1):
-                s, c = _loss_sum(losses, fmodel, params, {k: batch[k] for k in keys}, args.clipping_chunk_size)
-                loss_sum, loss_count = loss_sum + s, loss_count + c
+            before = params  # the logged loss is the batch's loss at the parameters its step was computed at
             updates, state = pipeline_for(keys).update(tensors, state, params)
             params = apply_updates(params, updates)
             fmodel.load_into_model(params)
@@ -284,17 +305,14 @@ class DPTrainer(transformers.Trainer):
             self.state.global_step = step + 1
             self.state.epoch = (step + 1) / steps_per_epoch
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-            if step + 1 == plan.steps and _strategy(args.logging_strategy) != "no":
-                self.control.should_log = True  # the last step always reports its loss and epsilon
-            if self.control.should_log:
-                total = _global_sum(torch.tensor([loss_sum, float(loss_count)], dtype=torch.float64))
-                last_loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
-                logs = {"loss": last_loss, "learning_rate": float(optimizer_lr(args, plan, step)),
-                        "epsilon": self._spent_epsilon()}
-                if plan.clipping_mode == "adaptive":  # a function of the noised counts: released and accounted
-                    logs["clipping_norm"] = float(state["clip"].clipping_norm)
-                loss_sum, loss_count = 0.0, 0
-                self.log(logs, start_time)
+            if logging_on and (step + 1 == plan.steps or self.control.should_training_stop):
+                self.control.should_log = True  # the run's last step always reports its loss, epsilon and delta
+            if self.control.should_log:  # whoever asked (logging_steps, a callback): the loss is computed now
+                log_step(before, dict(zip(keys, tensors)), step)
+                logged_step = step + 1
+            before = None  # not held into the next step (a full model's parameters)
+            if indices:
+                last_indices = indices
             if self.control.should_evaluate:
                 metrics = self._evaluate(trial, ignore_keys_for_eval)
                 is_best = self._determine_best_metric(metrics=metrics, trial=trial)
@@ -434,15 +452,42 @@ class DPTrainer(transformers.Trainer):
                                           n_steps=plan.steps, drop_last=self.args.dataloader_drop_last)
         return plan.sampler(dataset, sampler_key, rank=rank, world_size=world)
 
-    def _will_log(self, step: int) -> bool:
-        args = self.args
-        strategy = _strategy(args.logging_strategy)
-        if strategy == "no":
-            return False
-        if strategy != "steps":
-            return step == self.privacy_plan.steps
-        every = self.state.logging_steps or 1
-        return (step % every == 0) or (step == 1 and args.logging_first_step) or step == self.privacy_plan.steps
+    def _collated_tensors(self, collate: Callable[[list[int]], dict[str, Any]], indices: list[int]) -> dict[str, torch.Tensor] | None:
+        if not indices:
+            return None
+        batch = self._prepare_inputs(collate(list(indices)))
+        return {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+    def _logged_loss(self, losses: Callable[..., torch.Tensor], fmodel: FunctionalModel, params: Any,
+                     candidates: list[Callable[[], dict[str, torch.Tensor] | None]]) -> float:
+        """The mean per-example loss, over every rank, of the first candidate batch that has examples on
+        some rank (each candidate is made on demand; every rank goes through the same candidates).
+
+        On private copies of the random streams: the extra forward pass (dropout on, as in the
+        step) draws nothing the training draws, so logging more or less often trains the same."""
+        for make in candidates:
+            with _private_random_streams():
+                tensors = make()
+                local = (0.0, 0) if not tensors else _loss_sum(losses, fmodel, params, tensors, self.args.clipping_chunk_size)
+            total = _global_sum(torch.tensor([local[0], float(local[1])], dtype=torch.float64))
+            if total[1] > 0:
+                return float(total[0] / total[1])
+        raise InputValueError("DPTrainer: no training example to compute the logged loss on.")  # pragma: no cover
+
+    def _restore_random_streams(self, directory: str) -> None:
+        """Restores the random streams that the step draws from outside the privacy keys (dropout,
+        a data collator's masking: python ``random``, numpy, torch's CPU generator and the CUDA
+        generators) from the checkpoint's ``rng_state.pth`` / ``rng_state_{rank}.pth``, which
+        Hugging Face's ``_save_checkpoint`` writes next to the DP state. The noise and the batches
+        come from the privacy keys in ``dp_state`` and do not depend on these."""
+        name = f"rng_state_{self.args.process_index}.pth" if self.args.world_size > 1 else "rng_state.pth"
+        if not os.path.isfile(os.path.join(directory, name)):
+            logger.warning(
+                "DPTrainer: %s has no %s, so dropout and the data collator's randomness do not continue the saved "
+                "run's (the resumed run is private and continues the noise and batches, but does not equal the "
+                "uninterrupted run bit for bit).", directory, name)
+            return
+        self._load_rng_state(directory)
 
     def _spent_epsilon(self) -> float:
         if self.accountant is None:
@@ -456,6 +501,8 @@ class DPTrainer(transformers.Trainer):
         metrics = speed_metrics("train", start_time, num_steps=steps)
         train_loss = float("nan")
         losses = [h["loss"] for h in self.state.log_history if "loss" in h and h.get("step", 0) > start_step]
+        if not losses:  # no step taken by this train() (resumed at the run's end): the run's logged losses
+            losses = [h["loss"] for h in self.state.log_history if "loss" in h]
         if losses:
             train_loss = sum(losses) / len(losses)
         metrics["train_loss"] = train_loss
@@ -505,6 +552,13 @@ _PROBE_EXAMPLES = 8  # the examples train() runs the loss on before the first st
 
 def _strategy(value: Any) -> str:
     return str(getattr(value, "value", value))
+
+
+def _private_random_streams() -> Any:
+    """Runs the body on copies of torch's CPU generator (and the current CUDA device's, if in use),
+    restored afterwards."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return torch.random.fork_rng(devices=devices)
 
 
 def _has_padding(batch: Mapping[str, Any]) -> bool:
