@@ -617,7 +617,8 @@ class DPPlan:
         The budget is ``(target_epsilon, delta)``, or, for a plan given a noise
         multiplier, the epsilon of the whole planned run at ``delta``. Charge
         :attr:`step_cost` per step (``accountant.step(plan.step_cost)``); it refuses a
-        step that would exceed the budget.
+        step that would exceed the budget. The budget carries the plan's ``delta``, so
+        ``accountant.epsilon`` is the epsilon spent so far at it (``accountant.delta``).
         """
         import opake_fx.accounting as acc
 

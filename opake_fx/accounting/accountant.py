@@ -8,6 +8,10 @@ Example:
     >>> acct |= step * 100
     >>> acct.remaining_steps(step)
     154
+    >>> round(acct.epsilon, 3), acct.delta          # spent so far, at the budget's delta
+    (0.718, 1e-05)
+    >>> acct                                        # one step() call charged the 100 steps at once
+    Accountant(epsilon=0.718 at delta=1e-05, steps=1, budget: epsilon <= 1 at delta=1e-05, pld)
 """
 
 from __future__ import annotations
@@ -100,6 +104,46 @@ class Accountant:
         other counters (:meth:`opake_fx.plan.DPPlan.load_checkpoint`).
         """
         return self._steps
+
+    @property
+    def delta(self) -> float | None:
+        """The delta :attr:`epsilon` is reported at: the budget's.
+
+        For an :func:`~opake_fx.accounting.epsilon_budget` (what
+        :meth:`opake_fx.plan.DPPlan.accountant` builds, with the plan's ``delta``) it is
+        the delta the budget's epsilon is measured at; for a
+        :func:`~opake_fx.accounting.delta_budget`, the delta bound. ``None`` for a budget
+        without a delta.
+        """
+        d = getattr(self._budget, "delta", None)
+        return None if d is None else float(d)
+
+    @property
+    def epsilon(self) -> float:
+        """Epsilon spent so far, at :attr:`delta` (the budget's delta), by the budget's accountant.
+
+        The same number as ``spent_epsilon(accountant.delta)``; use :meth:`spent_epsilon`
+        for another delta or the other engine.
+
+        Raises:
+            InputValueError: the budget has no delta (call ``spent_epsilon(delta)``).
+
+        Example:
+            >>> import opake_fx.accounting as acc
+            >>> import opake_fx.dpsgd.accounting as dpsgd_acc
+            >>> acct = acc.Accountant(acc.epsilon_budget(3.0, delta=1e-5))
+            >>> for _ in range(140):
+            ...     acct.step(dpsgd_acc.poisson(dpsgd_acc.gaussian(1.0), 0.01))
+            >>> acct.epsilon == acct.spent_epsilon(1e-5), acct.steps
+            (True, 140)
+        """
+        delta = self.delta
+        if delta is None:
+            raise InputValueError(
+                f"Accountant.epsilon: the budget {self._budget!r} has no delta to report epsilon at; call "
+                "accountant.spent_epsilon(delta) with the delta you report."
+            )
+        return self.spent_epsilon(delta)
 
     @property
     def spent(self) -> DpProcess:
@@ -485,7 +529,29 @@ class Accountant:
                 )
 
     def __repr__(self) -> str:
-        return f"Accountant(budget={self._budget!r}, spent={self.spent!r})"
+        """``Accountant(epsilon=... at delta=..., steps=..., budget: ...)``: what was spent and against what.
+
+        The full composition is :attr:`spent`.
+        """
+        if self.delta is None:
+            spent = f"spent={self.spent!r}"
+        else:
+            try:
+                spent = f"epsilon={self.epsilon:.4g} at delta={self.delta:g}"
+            except OpakeError:  # a mechanism without a PLD/RDP curve for this engine: show the composition
+                spent = f"spent={self.spent!r}"
+        steps = "unknown" if self._steps is None else str(self._steps)
+        return f"Accountant({spent}, steps={steps}, budget: {_budget_line(self._budget)})"
+
+
+def _budget_line(budget: Budget) -> str:
+    """``epsilon <= 3 at delta=1e-05, pld`` (or the budget's repr for a budget of another kind)."""
+    eps, delta = getattr(budget, "epsilon", None), getattr(budget, "delta", None)
+    if budget.metric == "epsilon" and eps is not None and delta is not None:
+        return f"epsilon <= {eps:g} at delta={delta:g}, {budget.accountant}"
+    if budget.metric == "delta" and eps is not None and delta is not None:
+        return f"delta <= {delta:g} at epsilon={eps:g}, {budget.accountant}"
+    return repr(budget)
 
 
 # A resumed running composition is compared with the one-shot one in delta at _CHECK_POINTS

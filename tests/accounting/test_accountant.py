@@ -155,3 +155,45 @@ def test_long_runs_count_down_a_precomputed_headroom():
     assert acct.would_exceed(STEP)
     other = dpsgd_acc.poisson(dpsgd_acc.gaussian(1.0), 0.001)
     assert acct.would_exceed(other) == (not budget.is_met_by(acct.spent | other))
+
+
+def test_epsilon_is_reported_at_the_budgets_delta_and_the_repr_shows_it_with_the_step_count():
+    acct = acc.Accountant(acc.epsilon_budget(3.0, delta=1e-5))
+    for _ in range(140):
+        acct.step(STEP)
+    assert acct.delta == 1e-5 and acct.epsilon == acct.spent_epsilon(1e-5)
+    assert repr(acct) == str(acct) == (
+        f"Accountant(epsilon={acct.epsilon:.4g} at delta=1e-05, steps=140, budget: epsilon <= 3 at delta=1e-05, pld)"
+    )
+    by_delta = acc.Accountant(acc.delta_budget(1e-6, epsilon=2.0), spent=STEP * 10)
+    assert by_delta.delta == 1e-6 and by_delta.epsilon == by_delta.spent_epsilon(1e-6)
+    assert "steps=unknown" in repr(by_delta) and "budget: delta <= 1e-06 at epsilon=2" in repr(by_delta)
+
+
+def test_epsilon_without_a_known_delta_says_to_call_spent_epsilon():
+    class NoDeltaBudget(acc.Budget):  # a budget kind of the user's, with no delta of its own
+        metric = "epsilon"
+
+        @property
+        def value(self):
+            return 3.0
+
+        def measure_profile(self, profile):
+            return float(profile.epsilon_at(1e-5))
+
+    acct = acc.Accountant(NoDeltaBudget())
+    acct.step(STEP)
+    assert acct.delta is None
+    with pytest.raises(InputValueError, match=r"call accountant.spent_epsilon\(delta\)"):
+        acct.epsilon
+
+
+def test_a_plans_accountant_reports_epsilon_at_the_plans_delta():
+    from opake_fx.plan import DPPlan
+
+    plan = DPPlan(dataset_size=1000, batch_size=10, steps=20, noise_multiplier=1.0, delta=1e-6)
+    acct = plan.accountant()
+    for _ in range(20):
+        acct.step(plan.step_cost)
+    assert acct.delta == plan.delta
+    assert agrees(acct.epsilon, plan.epsilon())
