@@ -82,13 +82,15 @@ class DPTrainer(transformers.Trainer):
     already depends on the data would under-report epsilon). ``resume_from_checkpoint``
     continues the run saved in a checkpoint instead.
 
-    ``train()`` logs ``epsilon`` next to ``loss`` at every logging step and at the plan's last step (the loss of the
-    logging step's batch, before its update: NOT private, like any training loss), stops
-    when the next step would exceed the budget, and adds ``privacy_epsilon``,
-    ``privacy_delta`` and ``privacy_noise_multiplier`` to the final metrics. Each
-    checkpoint also holds ``accountant.json`` and ``dp_state.rank{r}.pt`` (parameters,
-    clip/noise/optimizer state, sampler position, accountant, privacy seed);
-    ``train(resume_from_checkpoint=...)`` continues the run exactly.
+    ``train()`` logs ``loss``, ``epsilon`` and ``delta`` whenever Hugging Face's control asks
+    for a log (``logging_steps``, a callback) and at the run's end (the loss of the logged
+    step's batch at the parameters the step was computed at, never ``nan``: NOT private,
+    like any training loss), stops when the next step would exceed the budget, and adds
+    ``train_loss``, ``privacy_epsilon``, ``privacy_delta`` and ``privacy_noise_multiplier``
+    to the final metrics. Each checkpoint also holds ``accountant.json`` and
+    ``dp_state.rank{r}.pt`` (parameters, clip/noise/optimizer state, sampler position,
+    accountant, privacy seed) next to Hugging Face's ``rng_state*.pth``;
+    ``train(resume_from_checkpoint=...)`` continues the run exactly, dropout included.
 
     Privacy contract: only the trainable parameters (``requires_grad``; the adapters of a
     PEFT model) are clipped, noised and released; each example's loss depends on that

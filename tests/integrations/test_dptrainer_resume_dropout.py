@@ -1,4 +1,4 @@
-"""A DPTrainer run with dropout, stopped after a checkpoint and resumed, ends bit-for-bit where the uninterrupted run ends.
+"""A DPTrainer run with dropout, stopped after a checkpoint and resumed, ends bit for bit where the full run ends.
 
 The noise and the batches come from the privacy keys (saved in ``dp_state``); dropout draws
 from torch's global generator, which the checkpoint's ``rng_state*.pth`` (Hugging Face's)
@@ -49,6 +49,22 @@ def test_resume_with_dropout_gives_the_uninterrupted_run(tmp_path):
     resumed = _run(tmp_path / "cut", resume=str(tmp_path / "cut" / "checkpoint-3"))
     for n in full:
         torch.testing.assert_close(resumed[n], full[n], atol=1e-6, rtol=0)
+
+
+def test_a_second_train_after_a_stop_with_dropout_gives_the_uninterrupted_run(tmp_path):
+    # the same trainer continues in process: torch's generators go on where the stopped run left them
+    full = _run(tmp_path / "full")
+    args = TrainingArguments(output_dir=str(tmp_path / "cont"), per_device_train_batch_size=8, max_steps=6,
+                             learning_rate=1e-2, privacy_target_epsilon=8.0, privacy_seed=5, privacy_accountant="rdp",
+                             logging_steps=2, **hf.COMMON)
+    model = gpt2_with_dropout()
+    trainer = DPTrainer(model=model, args=args, train_dataset=hf.counting_lm_data(64), callbacks=[hf.StopAt(3)])
+    assert hf.quiet_train(trainer).global_step == 3
+    trainer.callback_handler.pop_callback(hf.StopAt)
+    assert hf.quiet_train(trainer).global_step == 6
+    continued = hf.trainable(model)
+    for n in full:
+        torch.testing.assert_close(continued[n], full[n], atol=1e-6, rtol=0)
 
 
 def test_the_logged_loss_draws_nothing_from_the_training_randomness(tmp_path):
