@@ -170,11 +170,14 @@ def _run_page(page: str, markers: set[str], tmp_path: Path, monkeypatch) -> None
     monkeypatch.setenv("MKL_NUM_THREADS", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")  # plots are drawn, never shown
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the pages' models are tiny: more threads only contend on a shared machine
     shell = _shell() if any(b.kind == "ipython" for b in blocks) else None
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = __builtins__
     ns = shell.user_ns if shell is not None else module.__dict__
     main = sys.modules["__main__"]
+    profile = _hypothesis_profile()
     sys.modules["__main__"] = module  # classes and functions a page defines pickle as a script's do
     try:
         failure = None
@@ -194,6 +197,11 @@ def _run_page(page: str, markers: set[str], tmp_path: Path, monkeypatch) -> None
             pytest.fail(failure, pytrace=False)
     finally:
         sys.modules["__main__"] = main
+        torch.set_num_threads(threads)
+        if profile is not None:  # a page that loads its own hypothesis profile leaves the suite's alone
+            from hypothesis import settings
+
+            settings.load_profile(profile)
         if shell is not None:
             _stop_shell(shell)
 
@@ -230,6 +238,14 @@ def _report(block: Block, exc: BaseException) -> str:
     if len(tb_lines) > 60:
         tb = "\n".join(["...", *tb_lines[-60:]])
     return f"{block.page}, block at line {block.line} failed:\n\n{numbered}\n\n{tb}"
+
+
+def _hypothesis_profile() -> str | None:
+    if "hypothesis" not in sys.modules:
+        return None
+    from hypothesis import settings
+
+    return settings._current_profile  # noqa: SLF001 - hypothesis has no public getter
 
 
 # ------------------------------------------------------------------- IPython and torchrun
