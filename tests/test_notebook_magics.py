@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from opake_fx.errors import InputValueError
+from opake_fx.errors import InputValueError, OperationError
 from opake_fx.notebook import DistPool, PoolBrokenError, RankDiedError, RankError, launch
 
 ROOT = Path(__file__).parents[1]
@@ -64,6 +64,28 @@ def test_pool_rejects_bad_arguments():
         DistPool(2, backend="mpi")
     with pytest.raises(InputValueError, match=r"launch\(fn, 2, \*args\)"):
         launch(total_times_rank, 10.0)  # fn's argument where nproc goes
+
+
+def test_magics_ignore_a_trailing_comment():
+    """``%dist_start -n 2  # ...`` as docs/jupyter.md writes it: IPython passes the comment on as arguments."""
+    pytest.importorskip("IPython")
+    from IPython.core.error import UsageError
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "opake_fx.notebook")
+    # each call gets past argument parsing (a comment taken for arguments is a UsageError)
+    # and stops at the first check after it, before any process is started
+    with pytest.raises(InputValueError, match="nproc >= 1"):
+        shell.run_line_magic("dist_start", "-n 0   # torchrun --standalone --nproc-per-node=0")
+    with pytest.raises(OperationError, match="no pool is running"):
+        shell.run_line_magic("dist_pull", "t --rank 1 # from rank 1")
+    with pytest.raises(OperationError, match="no pool is running"):
+        shell.run_cell_magic("dist", "--rank 0 1  # two ranks", "print(rank)")
+    with pytest.raises(UsageError, match="unrecognized arguments: extra"):
+        shell.run_line_magic("dist_pull", "t extra")  # real extra arguments are still refused
+    with pytest.raises(OperationError, match="no pool is running"):  # a quoted '#' is an argument
+        shell.run_line_magic("dist_pull", "'#t'")
 
 
 @pytest.mark.distributed

@@ -9,7 +9,9 @@
     %dist_status
     %dist_stop
 
-Cells run as plain Python on the ranks (no IPython syntax inside a ``%%dist`` cell).
+Cells run as plain Python on the ranks (no IPython syntax inside a ``%%dist`` cell). A
+magic's line may end with a comment (``%dist_start -n 2  # two ranks``): IPython passes it
+to the magic as arguments, and the magics drop it.
 
 Privacy: infrastructure only; runs code, changes no guarantee.
 """
@@ -48,7 +50,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_start(self, line: str) -> None:
         """Starts ``-n`` ranks under ``torchrun --standalone``; each initialises its process group."""
-        args = parse_argstring(self.dist_start, line)
+        args = parse_argstring(self.dist_start, _without_comment(line))
         if self.pool is not None and self.pool.state == "running":
             raise OperationError(
                 f"a pool of {self.pool.nproc} ranks is already running; `%dist_stop` it first."
@@ -67,7 +69,7 @@ class DistMagics(Magics):
     @cell_magic
     def dist(self, line: str, cell: str) -> None:
         """Runs the cell on every rank (or ``--rank R ...``) with live ``[rank r]`` output."""
-        args = parse_argstring(self.dist, line)
+        args = parse_argstring(self.dist, _without_comment(line))
         self._pool().run_cell(cell, ranks=args.rank)
 
     @magic_arguments()
@@ -77,7 +79,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_pull(self, line: str) -> Any:
         """Copies a picklable value from a rank (default 0) into the kernel's namespace."""
-        args = parse_argstring(self.dist_pull, line)
+        args = parse_argstring(self.dist_pull, _without_comment(line))
         value = self._pool().pull(args.name, rank=args.rank)
         self.shell.user_ns[args.as_name or args.name] = value
 
@@ -94,3 +96,20 @@ class DistMagics(Magics):
             return
         self.pool.stop()
         print("Stopped the pool.")
+
+
+def _without_comment(line: str) -> str:
+    """``line`` up to the first ``#`` that starts a word outside quotes.
+
+    IPython hands a line magic everything after its name, a trailing ``# comment``
+    included, and ``parse_argstring`` would take the comment's words for arguments.
+    """
+    quote = None
+    for i, ch in enumerate(line):
+        if quote is not None:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
