@@ -15,10 +15,11 @@ the line directly above its fence:
                                               (a GPU, a shell command, an output listing)
 
 A function named ``test_*`` that a block defines is called right after the block, as
-pytest would call it. Blocks whose first line starts with ``>>>`` run as doctests in the page's namespace;
-blocks with IPython magics (a line starting with ``%``) run through IPython's
-``InteractiveShell`` (the whole page then shares the shell's namespace); such a page
-must be marked slow. Fences other than ```python are not run.
+pytest would call it. Blocks whose first line starts with ``>>>`` run as doctests in the
+page's namespace; blocks with IPython magics (a line starting with ``%``) run through
+IPython's ``InteractiveShell`` (the whole page then shares the shell's namespace, and any
+``%dist_start`` pool is stopped afterwards). Fences other than ```python are not run.
+docs/testing.md says how to mark a block.
 """
 
 from __future__ import annotations
