@@ -125,8 +125,20 @@ def test_page_runs(page, tmp_path, monkeypatch):
     _run_page(page, {"fast"}, tmp_path, monkeypatch)
 
 
+def _slow_params() -> list:
+    """Pages with slow blocks; those that start ranks (torchrun blocks, ``%dist_start``) are also ``distributed``."""
+    out = []
+    for page in _pages_with({"slow", "torchrun"}):
+        try:
+            ranks = any(b.marker == "torchrun" or b.kind == "ipython" for b in _page_blocks(page))
+        except MarkerError:
+            ranks = False
+        out.append(pytest.param(page, marks=[pytest.mark.distributed] if ranks else []))
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("page", _pages_with({"slow", "torchrun"}))
+@pytest.mark.parametrize("page", _slow_params())
 def test_page_runs_with_its_slow_blocks(page, tmp_path, monkeypatch):
     """The whole page, slow blocks included; torchrun blocks are launched on 2 gloo ranks."""
     _run_page(page, {"fast", "slow", "torchrun"}, tmp_path, monkeypatch)
