@@ -141,7 +141,8 @@ def safe_norm(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     n = torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64)
     if x.dtype == torch.float64:
         overflow = torch.isinf(n) & (torch.isfinite(x).all() if dim is None else torch.isfinite(x).all(dim=dim))
-        if bool(overflow.any()):
+        # Traced (torch.compile): both branches, selected on the device (no host sync).
+        if torch.compiler.is_compiling() or bool(overflow.any()):
             amax = x.abs().amax(dim=dim, keepdim=dim is not None).clamp_min(torch.finfo(torch.float64).tiny)
             rescaled = torch.linalg.vector_norm(x / amax, dim=dim) * (amax.squeeze(dim) if dim is not None else amax)
             n = torch.where(overflow, rescaled, n)

@@ -349,6 +349,7 @@ def check_pair_step(step: int) -> None:
         )
 
 
+@torch.compiler.disable
 def _noised(
     pytree: Any, key: RngKey, step: int, std: float | PerGroup, exact: bool, secure: bool,
     prefetcher: NoisePrefetcher | None = None,

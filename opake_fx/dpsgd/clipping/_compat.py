@@ -34,7 +34,9 @@ def _passthrough(*args: Any, **kwargs: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def checkpoint_passthrough() -> Iterator[None]:
     """Within this block, checkpointed segments run plainly inside ``torch.func`` transforms."""
-    if _ORIGINAL is None:  # a torch without this internal: nothing to adapt
+    if _ORIGINAL is None or torch.compiler.is_compiling():
+        # a torch without this internal, or a traced step (torch.compile traces checkpointed
+        # segments itself): nothing to adapt
         yield
         return
     with _LOCK:

@@ -202,8 +202,19 @@ class StepResult:
     finite: torch.Tensor  # [B] bool
     losses: torch.Tensor
     loss_aux: Any
-    batch_size: int
+    batch_size: int  # rows in the call, padding included
     squared: ClippedPytree | None = None  # sum of clipped squared gradients (second_moment)
+    valid: torch.Tensor | None = None  # [B] bool: the real examples (None: every row is one)
+
+    @property
+    def counted(self) -> torch.Tensor:
+        """``[B]`` bool: the examples that contribute (finite and not padding)."""
+        return self.finite if self.valid is None else self.finite & self.valid
+
+    @property
+    def examples(self) -> int:
+        """The number of real (non-padding) examples (a host synchronisation with a mask)."""
+        return self.batch_size if self.valid is None else int(self.valid.sum())
 
 
 @dataclass(frozen=True)
@@ -228,6 +239,8 @@ class StaticPlan:
 def _static_plan(args: tuple[Any, ...], cfg: ClipConfig, clipping_norm: float | PerGroup, diff_leaves: list[Any],
                  treedef: Any, plans: dict[Any, StaticPlan] | None) -> StaticPlan:
     key: Any = None
+    if torch.compiler.is_compiling():
+        plans = None  # traced once per signature; the cache's treedef keys cannot be traced
     if plans is not None and all(isinstance(leaf, torch.Tensor) for leaf in diff_leaves):
         norm_key = ("groups", id(clipping_norm)) if isinstance(clipping_norm, PerGroup) else float(clipping_norm)
         key = (treedef, tuple((leaf.dtype, leaf.device) for leaf in diff_leaves), norm_key)
@@ -243,7 +256,7 @@ def _static_plan(args: tuple[Any, ...], cfg: ClipConfig, clipping_norm: float | 
         group_names, leaf_group = ["all"], [0] * len(diff_leaves)
         bounds = torch.tensor([float(clipping_norm)], dtype=torch.float64)
     out_dtypes = [cfg.dtype or _accumulation_dtype(leaf.dtype) for leaf in diff_leaves]
-    output_factor = max((cert.output_factor(dt) for dt in out_dtypes), default=1.0)
+    output_factor = max([1.0] + [cert.output_factor(dt) for dt in out_dtypes])
     plan = StaticPlan(group_names, leaf_group, out_dtypes, output_factor, bounds, clipping_norm)
     if key is not None:
         if len(plans) >= 16:  # an adaptive clip norm changes every step: keep the cache small
@@ -262,12 +275,15 @@ def clipped_step(
     weight_fn: WeightFn,
     backend: Backend = vmap_backend,
     plans: dict[Any, StaticPlan] | None = None,
+    example_mask: torch.Tensor | None = None,
 ) -> StepResult:
     """Runs one clipped-gradient computation (all microbatches) and returns its parts.
 
     ``plans`` (one dict per clipped-gradient function) keeps what depends only on the
     parameters' structure and dtypes and on the clip norm (:class:`StaticPlan`), so a
-    call with the same structure skips its checks and derivations.
+    call with the same structure skips its checks and derivations. ``example_mask``
+    (``[B]`` bool) marks the real examples of a padded batch: the others get weight 0,
+    so their contribution is exactly zero whatever they hold.
     """
     _check_arg_count(args, cfg)
     diff_leaves, treedef = optree.tree_flatten(_diff_tree(args, cfg), namespace=NAMESPACE)
@@ -276,6 +292,7 @@ def clipped_step(
     output_factor = static.output_factor
     bounds = static.bounds
     batch = batch_size_of(args, cfg)
+    valid = check_example_mask(example_mask, batch, diff_leaves[0].device if diff_leaves else None)
     # Accumulators are created by the first microbatch (no zero-fill pass over large tables).
     sums: list[torch.Tensor | None] = [None] * len(diff_leaves)
     sq_sums: list[torch.Tensor | None] = [None] * len(diff_leaves)  # second_moment only
@@ -290,10 +307,13 @@ def clipped_step(
         else:
             norms = group_norms(per_ex.grad_leaves, leaf_group, len(group_names))
         finite = torch.isfinite(norms).all(dim=0)
-        none_bad = bool(finite.all())  # one host sync; the common case skips the masking
+        keep = finite if valid is None else finite & valid[start:start + step].to(finite.device)
+        # One host sync in eager code (the common case skips the masking); a traced step or a
+        # padded batch always masks, on the device.
+        none_bad = valid is None and not torch.compiler.is_compiling() and bool(finite.all())
         weights = weight_fn(norms * output_factor, bounds.to(norms.device))
         if not none_bad:
-            weights = torch.where(finite.unsqueeze(0), weights, torch.zeros_like(weights))
+            weights = torch.where(keep.unsqueeze(0), weights, torch.zeros_like(weights))
         if isinstance(per_ex, PerExampleNorms):
             prescaled = True
             if len(group_names) == 1:  # one group: every leaf takes the same weights (no gather)
@@ -303,7 +323,7 @@ def clipped_step(
                 leaf_weights = scaled.expand(len(leaf_group), -1)
             else:
                 leaf_weights = weights[torch.tensor(leaf_group, dtype=torch.long, device=weights.device)] / cfg.normalize_by
-            for i, part in enumerate(per_ex.weighted_sum(leaf_weights, None if none_bad else finite)):
+            for i, part in enumerate(per_ex.weighted_sum(leaf_weights, None if none_bad else keep)):
                 part = part.to(out_dtypes[i])
                 sums[i] = part if sums[i] is None else sums[i].add_(part)
         else:
@@ -311,8 +331,9 @@ def clipped_step(
                 _check_pre_clip_output(per_ex.grad_leaves, diff_leaves)
             sanitize = not none_bad
             for i, g_leaf in enumerate(per_ex.grad_leaves):
-                if sanitize:
-                    g_leaf = torch.nan_to_num(g_leaf, nan=0.0, posinf=0.0, neginf=0.0)
+                if sanitize:  # zero what has weight 0 (0 * inf is NaN): non-finite rows and padding
+                    g_leaf = torch.where(keep.view(-1, *([1] * (g_leaf.dim() - 1))).to(g_leaf.device), g_leaf,
+                                         torch.zeros((), dtype=g_leaf.dtype, device=g_leaf.device))
                 # Weight in the wider of the gradient's and the output's dtype, and cast only what
                 # is weighted: a gradient finite in float64 but beyond float32's range would become
                 # inf in a float32 output, and its tiny weight times inf is NaN -- one attacker
@@ -363,6 +384,7 @@ def clipped_step(
         loss_aux=_concat_aux(all_aux) if cfg.has_aux and batch > 0 else None,
         batch_size=batch,
         squared=squared,
+        valid=valid,
     )
 
 
@@ -384,10 +406,10 @@ def package(result: StepResult, cfg: ClipConfig, clipping_norm: float | PerGroup
         if cfg.has_aux:
             return (released, result.loss_aux), new_state
         return released, new_state
-    norms, weights, batch = result.norms, result.weights, result.batch_size
-    finite = result.finite
-    clipped_mask = (norms > result.bounds.to(norms.device).unsqueeze(1)) & finite.unsqueeze(0)
-    num_nonfinite = int((~finite).sum())
+    norms, weights, batch = result.norms, result.weights, result.examples
+    finite, counted = result.finite, result.counted
+    clipped_mask = (norms > result.bounds.to(norms.device).unsqueeze(1)) & counted.unsqueeze(0)
+    num_nonfinite = int((~finite).sum()) if result.valid is None else int((~finite & result.valid).sum())
     if isinstance(clipping_norm, PerGroup):
         names = sorted(clipping_norm.values)
         num_clipped: Any = {n: float(clipped_mask[i].sum()) for i, n in enumerate(names)}
@@ -399,8 +421,14 @@ def package(result: StepResult, cfg: ClipConfig, clipping_norm: float | PerGroup
         return (released, ClippingStats(num_clipped, rate, batch, num_nonfinite)), new_state
     total = norms.square().sum(dim=0).sqrt()
     after = torch.where(finite, (norms * weights).square().sum(dim=0).sqrt(), torch.zeros_like(total))
+    losses = result.losses
+    if result.valid is not None:  # padding reports zeros: it has no loss, norm or gradient
+        valid = result.valid.to(total.device)
+        total, after = torch.where(valid, total, 0.0), torch.where(valid, after, 0.0)
+        norms = torch.where(valid.unsqueeze(0), norms, 0.0)
+        losses = torch.where(result.valid.to(losses.device), losses, torch.zeros((), dtype=losses.dtype, device=losses.device))
     aux = ClippedGradAux(
-        loss_values=result.losses,
+        loss_values=losses,
         grad_norms=total,
         clipped_grad_norms=after,
         loss_aux=result.loss_aux,
@@ -422,10 +450,27 @@ def group_norms(grad_leaves: list[torch.Tensor], leaf_group: list[int], num_grou
         raise InputValueError("nothing to differentiate: the differentiated arguments have no tensor leaves.")
     batch = grad_leaves[0].shape[0]
     leaf_norms = torch.stack([safe_norm(g.reshape(batch, -1), dim=1) for g in grad_leaves])  # [L, B]
-    group_of = torch.tensor(leaf_group, device=leaf_norms.device)
-    norms = torch.stack([safe_norm(leaf_norms[group_of == g], dim=0) for g in range(num_groups)])
+    if num_groups == 1:
+        norms = safe_norm(leaf_norms, dim=0).unsqueeze(0)
+    else:  # the leaves of each group by a fixed index (no data-dependent shape: traceable)
+        members = [[i for i, g in enumerate(leaf_group) if g == group] for group in range(num_groups)]
+        norms = torch.stack([safe_norm(leaf_norms[m], dim=0) for m in members])
     longest = max(g[0].numel() if batch else 0 for g in grad_leaves) + len(grad_leaves)
     return norms * (1.0 + cert.gamma(longest + 4, torch.float64))
+
+
+def check_example_mask(example_mask: Any, batch: int, device: torch.device | None) -> torch.Tensor | None:
+    """Validates a padding mask: a bool tensor ``[batch]`` (True: a real example), or ``None``."""
+    if example_mask is None:
+        return None
+    if not isinstance(example_mask, torch.Tensor) or example_mask.dtype != torch.bool or tuple(example_mask.shape) != (batch,):
+        got = (f"a {example_mask.dtype} tensor of shape {tuple(example_mask.shape)}" if isinstance(example_mask, torch.Tensor)
+               else type(example_mask).__name__)
+        raise InputValueError(
+            f"example_mask must be a bool tensor of shape [{batch}] (the batch size; True marks a real example, "
+            f"False a padding row); got {got}. Build it with opake_fx.padding.pad_batch."
+        )
+    return example_mask if device is None else example_mask.to(device)
 
 
 def batch_size_of(args: tuple[Any, ...], cfg: ClipConfig) -> int:

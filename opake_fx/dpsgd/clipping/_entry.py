@@ -98,12 +98,17 @@ def make_grad_fn(loss_fn: Callable[..., Any], mode: ClipMode, options: ClipOptio
             )
 
     plans: dict[Any, Any] = {}  # structure-only derivations, reused across calls (_engine.StaticPlan)
+    # The fast backends observe the model through module hooks, autograd taps and probes that
+    # torch.compile cannot trace (a traced probe also fails under compiled autograd, which would
+    # send every layer to the whole-loss fallback): inside a compiled step they run eagerly, as
+    # one opaque call between graphs (opake_fx.compiled says so).
+    step = clipped_step if options.clip_backend == "vmap" else torch.compiler.disable(clipped_step)
 
-    def grad_fn(*args: Any, state: Any = None, **kwargs: Any) -> Any:
+    def grad_fn(*args: Any, state: Any = None, example_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
         check_state(state, mode.state_type, mode.maker)
         norm = mode.clipping_norm(state)
-        result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=norm, weight_fn=mode.weights, backend=backend,
-                              plans=plans)
+        result = step(loss_fn, args, kwargs, cfg, clipping_norm=norm, weight_fn=mode.weights, backend=backend,
+                              plans=plans, example_mask=example_mask)
         return package(result, cfg, norm, mode.advance(state, result))
 
     return grad_fn

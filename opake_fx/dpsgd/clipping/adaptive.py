@@ -137,8 +137,8 @@ def adaptive_clipped_grad(
 
     def advance(state: AdaptiveClipState, result: StepResult) -> AdaptiveClipState:
         c = state.clipping_norm
-        below = ((result.norms[0] <= c) & result.finite).sum().item()
-        centered = float(below) - 0.5 * result.batch_size
+        below = ((result.norms[0] <= c) & result.counted).sum().item()
+        centered = float(below) - 0.5 * result.examples
         noise = state.count_noise_multiplier * float(normal(fold_in(state.key, state.step), (), dtype=torch.float64, exact=True))
         stepped = replace(state, step=state.step + 1, prev_clipping_norm=c, centered_count=centered, count_noise=noise)
         return replace(stepped, clipping_norm=next_clipping_norm(stepped, centered))

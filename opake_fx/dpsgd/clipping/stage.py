@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import nn
 
 from opake_fx.dpsgd.clipping._ghost import ClipBackend
@@ -246,6 +247,7 @@ def as_stage(
     """
     if privacy is None:
         privacy = StagePrivacy("clip", "clipping function (max_norm read from its output each step)")
+    privacy = replace(privacy, takes_example_mask=True)  # grad_fn(..., example_mask=) of _entry
     positions = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
     if positions != tuple(range(1, len(positions) + 1)):
         raise InputValueError(
@@ -256,7 +258,8 @@ def as_stage(
     def init(params: Any) -> Any:
         return ClipStageState(state, _no_stats(state)) if return_stats else state
 
-    def update(batch: Any, clip_state: Any, params: Any = None, **extra: Any) -> tuple[ClippedPytree, Any]:
+    def update(batch: Any, clip_state: Any, params: Any = None, *, example_mask: torch.Tensor | None = None,
+               **extra: Any) -> tuple[ClippedPytree, Any]:
         if params is None:
             raise InputValueError("the clip stage needs params: call pipeline.update(batch, state, params).")
         batch_t = batch if isinstance(batch, tuple) else (batch,)
@@ -266,7 +269,9 @@ def as_stage(
                 f"got {len(batch_t)}."
             )
         inner = clip_state.clip_state if isinstance(clip_state, ClipStageState) else clip_state
-        out, new_state = grad_fn(params, *batch_t, state=inner)
+        # (only a padded batch passes a mask: a grad_fn of another kind need not take one)
+        out, new_state = (grad_fn(params, *batch_t, state=inner) if example_mask is None
+                          else grad_fn(params, *batch_t, state=inner, example_mask=example_mask))
         if return_stats:
             if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], ClippingStats)):
                 raise InputValueError(

@@ -1,0 +1,215 @@
+"""A DP step run by ``torch.compile``: clip, aggregate, noise and the optimizer update as traced graphs.
+
+:func:`compile_step` takes a pipeline (``DPPlan.pipeline(...)`` or a hand-built
+``chain``/``named_chain`` of clip, psum, noise and optimizer stages) and returns a
+:class:`CompiledStep`: ``params, state = step(params, state, batch)`` runs
+``pipeline.update`` and ``apply_updates`` through ``torch.compile``. The sampler and the
+accountant stay outside (they are host-side bookkeeping).
+
+What is traced and what is not:
+
+* The clipping (per-example gradients with ``torch.func.vmap``, the certified norms, the
+  weights, the weighted sum), the aggregation, the noise's addition and the optimizer's
+  update are traced into graphs that inductor compiles.
+* The noise *draw* runs eagerly, between two graphs (a deliberate graph break): it is the
+  same keyed generator call as in an eager step, so the noise is bit-identical to the
+  eager pipeline's for the same key and step. Counters (steps of the noise, clip and
+  optimizer states) are Python ints: the first step compiles them as constants, the
+  second once more as symbols, and from then on they never recompile.
+* Batch shapes are static: with ``buckets``, each batch is padded up to a bucket size
+  (:mod:`opake_fx.padding`) and the padding rows are masked out of the clip stage
+  (weight 0: exactly zero contribution), so a Poisson run compiles once per bucket it
+  meets instead of once per batch size.
+
+Privacy: the compiled step computes the same mechanism as the pipeline it compiles
+(same clip bound, same keyed noise; compiled and eager parameters agree to float
+rounding, see ``tests/test_compiled.py``). The certified norms stay upper bounds when
+compiled: their rounding bounds (``opake_fx.dpsgd.clipping._certified``) hold for any
+summation order, which is all a compiler may change. Padding changes no accounting.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import optree
+import torch
+
+from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.padding import bucket_for, pad_batch
+from opake_fx.pytree import NAMESPACE
+from opake_fx.transforms import Transform, apply_updates
+
+__all__ = ["CompiledStep", "compile_step"]
+
+_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_step(pipeline: Transform, *, buckets: Sequence[int] | None = None, mode: str | None = None) -> CompiledStep:
+    """Compiles ``pipeline``'s step (``update`` + ``apply_updates``) with ``torch.compile``.
+
+    Args:
+        pipeline: a :class:`~opake_fx.transforms.Transform` whose ``update(batch, state,
+            params)`` returns updates (a DP pipeline: clip, psum, noise, optimizer).
+        buckets: padded batch sizes (e.g. :func:`opake_fx.padding.geometric_buckets`): each
+            batch is padded to the smallest bucket that holds it, and the padding rows are
+            masked out of the clip stage. ``None``: no padding (fixed-size batches; every
+            new batch size compiles once). Needs a clip stage that honours the mask
+            (``clip``, ``auto_clip``, ``adaptive_clip``, ``as_stage``); others are refused.
+        mode: ``torch.compile``'s mode (``"reduce-overhead"``: CUDA graphs on a GPU).
+
+    Returns:
+        A :class:`CompiledStep`.
+
+    Raises:
+        InputValueError: ``buckets`` with a pipeline whose clip stage cannot take the
+            padding mask (or that says nothing about its stages), or an unknown ``mode``.
+
+    Privacy: as the pipeline's (see the module docstring); the padding is masked out,
+        and the noise is drawn by the pipeline's own keyed generator.
+
+    Example (compiling takes seconds; ``tests/test_compiled.py`` runs it)::
+
+        import torch
+        from opake_fx.dpsgd import clip, noise
+        from opake_fx.optimizers import sgd
+        from opake_fx.random import key
+        from opake_fx.transforms import chain
+
+        loss = lambda p, x: ((p["w"] * x).sum() - 1.0) ** 2       # one example
+        pipe = chain(clip(loss, clipping_norm=1.0, batch_argnums=1, normalize_by=4),
+                     noise(noise_multiplier=0.0, key=key(0)), sgd(0.1))
+        step = compile_step(pipe, buckets=(4, 8))
+        params = {"w": torch.zeros(3)}
+        state = step.init(params)
+        params, state = step(params, state, (torch.ones(3, 3),))   # 3 rows, padded to 4
+        params["w"]   # 0.0433 each: 3 clipped gradients of norm 1 / 4, the padding row adds 0
+    """
+    if not isinstance(pipeline, Transform):
+        raise InputTypeError(f"compile_step needs a Transform (a DP pipeline); got {type(pipeline).__name__}.")
+    if mode not in _MODES:
+        raise InputValueError(f"compile_step: mode must be one of {_MODES}; got {mode!r}.")
+    if buckets is not None:
+        bucket_for(1, buckets)  # validates
+        _check_takes_mask(pipeline)
+    return CompiledStep(pipeline, tuple(sorted(buckets)) if buckets is not None else None, mode)
+
+
+class CompiledStep:
+    """A compiled DP step: ``params, state = step(params, state, batch)`` (see :func:`compile_step`).
+
+    Attributes:
+        pipeline: the compiled pipeline (its ``init`` builds the state).
+        buckets: the padded batch sizes, or ``None``.
+        graphs_compiled: how many graphs the compiler has built so far (each bucket's
+            step is a few graphs: the noise draw sits between two).
+        sizes: the padded batch sizes met so far.
+    """
+
+    def __init__(self, pipeline: Transform, buckets: tuple[int, ...] | None, mode: str | None) -> None:
+        self.pipeline = pipeline
+        self.buckets = buckets
+        self.mode = mode
+        self.graphs_compiled = 0
+        self.sizes: set[int] = set()
+        self._lock = threading.Lock()
+        self._compiled = torch.compile(self._step, backend=self._backend(mode))
+
+    def init(self, params: Any) -> Any:
+        """The pipeline's initial state."""
+        return self.pipeline.init(params)
+
+    def __call__(self, params: Any, state: Any, batch: Any) -> tuple[Any, Any]:
+        """One step: ``pipeline.update`` on the (padded) batch, then ``apply_updates``.
+
+        An empty batch (possible under Poisson sampling) runs the pipeline eagerly: there
+        is no example to pad with, and its release is the noise alone.
+        """
+        batch_t = batch if isinstance(batch, tuple) else (batch,)
+        leaves = optree.tree_leaves(batch_t, namespace=NAMESPACE)
+        if not leaves or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in leaves):
+            raise InputTypeError("CompiledStep needs the batch as a tensor or a tuple of tensors with a leading batch axis.")
+        n = leaves[0].shape[0]
+        if n == 0:
+            return self.eager(params, state, batch_t)
+        mask = None
+        if self.buckets is not None:
+            batch_t, mask = pad_batch(batch_t, bucket_for(n, self.buckets))
+            torch._dynamo.mark_static(mask, 0)
+        for leaf in optree.tree_leaves(batch_t, namespace=NAMESPACE):
+            torch._dynamo.mark_static(leaf, 0)  # one graph per (bucket) size, never a symbolic batch
+        self.sizes.add(optree.tree_leaves(batch_t, namespace=NAMESPACE)[0].shape[0])
+        return self._compiled(params, state, batch_t, mask)
+
+    def explain(self, params: Any, state: Any, batch: Any) -> Any:
+        """What ``torch.compile`` makes of one step on ``batch`` (``torch._dynamo.explain``'s report).
+
+        ``graph_count``, ``graph_break_count`` and ``break_reasons`` say what was traced
+        and what ran eagerly and why: the noise draw is always one break (by design), a
+        fast clip backend (``"ghost"``/``"auto"``) one more; a model with an untraceable
+        operation (``.item()``, data-dependent Python branches) shows its own. A step
+        with breaks is still correct: dynamo runs the untraced parts eagerly.
+        Nothing is updated (the report is computed on the given values).
+        """
+        batch_t = batch if isinstance(batch, tuple) else (batch,)
+        mask = None
+        if self.buckets is not None:
+            n = optree.tree_leaves(batch_t, namespace=NAMESPACE)[0].shape[0]
+            batch_t, mask = pad_batch(batch_t, bucket_for(n, self.buckets))
+        return torch._dynamo.explain(self._step)(params, state, batch_t, mask)
+
+    def eager(self, params: Any, state: Any, batch: Any) -> tuple[Any, Any]:
+        """The same step without the compiler (the reference the compiled step is tested against)."""
+        return self._step(params, state, batch if isinstance(batch, tuple) else (batch,), None)
+
+    def _step(self, params: Any, state: Any, batch: tuple[Any, ...], example_mask: torch.Tensor | None) -> tuple[Any, Any]:
+        if example_mask is None:
+            updates, state = self.pipeline.update(batch, state, params)
+        else:
+            updates, state = self.pipeline.update(batch, state, params, example_mask=example_mask)
+        return apply_updates(params, updates), state
+
+    def _backend(self, mode: str | None) -> Callable[..., Any]:
+        """Inductor (with ``mode``'s options), counting the graphs it compiles."""
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = list_mode_options(mode) if mode not in (None, "default") else {}
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            with self._lock:
+                self.graphs_compiled += 1
+            return compile_fx(gm, example_inputs, config_patches=patches)
+
+        return backend
+
+
+def _check_takes_mask(pipeline: Transform) -> None:
+    described = pipeline.privacy
+    clips = list(_clip_stages(described)) if described is not None else []
+    if not clips:
+        raise InputValueError(
+            "compile_step(buckets=...) pads batches and masks the padding out of the clip stage, but this pipeline has "
+            "no described clip stage (build it from opake_fx.dpsgd.clip / auto_clip / adaptive_clip, or a plan's "
+            "pipeline), so the mask could be ignored and the padding rows would add their gradients. Pass buckets=None "
+            "(fixed-size batches) or build the pipeline from the library's clip stages."
+        )
+    refusing = [name for name, stage in clips if not stage.takes_example_mask]
+    if refusing:
+        raise InputValueError(
+            f"compile_step(buckets=...): the clip stage {refusing[0]!r} does not take the padding mask (example_mask), "
+            "so padding rows would add their gradients to the release. Use buckets=None with this stage (every batch "
+            "size then compiles once), or a clip stage built by clip / auto_clip / adaptive_clip / as_stage."
+        )
+
+
+def _clip_stages(described: Any, name: str = "pipeline") -> Any:
+    if described is None:
+        return
+    if described.kind == "chain":
+        for child_name, child in described.stages:
+            yield from _clip_stages(child, child_name)
+    elif described.kind == "clip":
+        yield name, described
