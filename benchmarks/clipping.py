@@ -19,6 +19,11 @@ clipping at C = 1, Gaussian noise with multiplier 1), SGD update.
 * ``opake-auto+randn`` — the same clipping, with the noise drawn by ``torch.randn`` from a
   seeded ``torch.Generator`` (as Opacus does) instead of the ``gaussian_noise`` stage: the
   difference to ``opake-auto`` is the noise stage's cost, not the clipping backend's.
+* ``opake-vmap-compiled`` / ``opake-auto-compiled`` — the whole step (clip, noise, SGD update)
+  from :func:`opake_fx.compiled.compile_step` on ``chain(clip, noise, sgd)``: compiled by
+  ``torch.compile`` during setup (the compile time is printed after the table); the
+  ``auto`` backend's clipping runs eagerly inside the compiled step (its hooks cannot be
+  traced yet), so its column measures what compiling the rest saves.
 * ``opacus-hooks`` — Opacus ``GradSampleModule`` (hooks) + ``DPOptimizer``.
 * ``opacus-ghost`` — Opacus ``GradSampleModuleFastGradientClipping`` (ghost clipping) +
   ``DPOptimizerFastGradientClipping`` + ``DPLossFastGradientClipping``.
@@ -94,8 +99,9 @@ WORKLOADS: dict[str, tuple[str, int]] = {
     "lm-64": ("lm", 64),
     "embbag-256": ("embbag", 256),
 }
-VARIANTS = ["non-private", "floor", "opake-vmap", "opake-auto", "opake-auto-sync", "opake-auto+randn", "opacus-hooks",
-            "opacus-ghost"]
+VARIANTS = ["non-private", "floor", "opake-vmap", "opake-auto", "opake-auto-sync", "opake-auto+randn", "opake-vmap-compiled",
+            "opake-auto-compiled", "opacus-hooks", "opacus-ghost"]
+COMPILE_S: dict[tuple[str, str], float] = {}  # (workload, variant) -> seconds of its first two (compiling) steps
 OPACUS = ("opacus-hooks", "opacus-ghost")
 LM_VOCAB, LM_DIM, LM_HEADS, LM_LAYERS, LM_SEQ, LM_FF = 1000, 128, 4, 2, 64, 512
 BAG_VOCAB, BAG_DIM, BAG_TOKENS, BAG_CLASSES = 20000, 64, 64, 4
@@ -250,6 +256,30 @@ def setup_step(workload: str, variant: str, threads: int = THREADS, device: str 
             torch._foreach_add_(state["params"], noisy, alpha=-LR)
 
         return step
+    if variant in ("opake-vmap-compiled", "opake-auto-compiled"):
+        from opake_fx.compiled import compile_step
+        from opake_fx.dpsgd import clip, noise
+        from opake_fx.optimizers import sgd
+        from opake_fx.transforms import chain
+
+        fmodel, params = make_functional(model)
+        if variant == "opake-vmap-compiled":
+            loss = lambda p, xi, yi: per_example_losses(kind, fmodel(p, xi[None]), yi[None])[0]  # noqa: E731
+            clip_stage = clip(loss, clipping_norm=1.0, batch_argnums=(1, 2), normalize_by=batch)
+        else:
+            loss = lambda p, xb, yb: per_example_losses(kind, fmodel(p, xb), yb)  # noqa: E731
+            clip_stage = clip(loss, clipping_norm=1.0, batch_argnums=(1, 2), normalize_by=batch, clip_backend="auto",
+                              model=fmodel)
+        compiled = compile_step(chain(clip_stage, noise(noise_multiplier=1.0, key=key(0)), sgd(LR)))
+        cstate: dict[str, Any] = {"params": params, "state": compiled.init(params)}
+
+        def step() -> None:
+            cstate["params"], cstate["state"] = compiled(cstate["params"], cstate["state"], (x, y))
+
+        t0 = time.perf_counter()
+        step(), step()  # the first step compiles, the second once more with symbolic counters
+        COMPILE_S[(workload, variant)] = time.perf_counter() - t0
+        return step
     if variant == "opacus-hooks":
         from opacus import GradSampleModule
         from opacus.optimizers import DPOptimizer
@@ -402,6 +432,9 @@ def main() -> None:
           f"{budget:.0f} s of timing per workload, settle {args.settle} (medians); "
           f"load average before {load}, after {os.getloadavg() if load else None}; {time.perf_counter() - t0:.0f}s\n")
     print(table(rows, "peak RSS growth (MiB)" if args.device == "cpu" else "peak CUDA memory beyond setup (MiB)"))
+    if COMPILE_S:
+        print("\ncompile time (the first two steps of a compiled variant, in the timing process): "
+              + ", ".join(f"{w} {v}: {t:.1f} s" for (w, v), t in COMPILE_S.items()))
     cores = os.cpu_count() or 1
     if load is not None and max(load[0], os.getloadavg()[0]) > cores:
         print(f"\nWARNING: the load average ({max(load[0], os.getloadavg()[0]):.1f}) was above the {cores} cores: other "

@@ -480,6 +480,37 @@ class DPPlan:
             ("opt", optimizer),
         )
 
+    def padding_buckets(self, growth: float = 1.25) -> tuple[int, ...]:
+        """Padded batch sizes for this plan's sampler (:func:`opake_fx.padding.geometric_buckets`).
+
+        From half the expected batch size up to the largest batch the sampler can draw
+        (the dataset, or ``max_batch_size`` for ``"truncated_poisson"``), ``growth``
+        apart: a compiled step meets a few shapes instead of one per batch size.
+
+        Privacy: none (sizes only); padding rows are masked out of the clip stage.
+        """
+        from opake_fx.padding import geometric_buckets
+
+        top = self.max_batch_size if self.sampling == "truncated_poisson" and self.max_batch_size else self.dataset_size
+        return geometric_buckets(float(self.batch_size), up_to=int(top), growth=growth)
+
+    def compiled_step(self, loss_fn: Callable[..., Any], optimizer: Any, *, key: RngKey, mode: str | None = None,
+                      buckets: Sequence[int] | None | str = "auto", **pipeline_kwargs: Any) -> Any:
+        """:meth:`pipeline` compiled as one step: ``params, state = step(params, state, batch)``.
+
+        The same arguments as :meth:`pipeline` (``model``, ``batch_argnums``, ...), plus
+        ``mode`` (``torch.compile``'s) and ``buckets`` (``"auto"``: :meth:`padding_buckets`;
+        ``None``: no padding). See :func:`opake_fx.compiled.compile_step`: the clip,
+        aggregation, noise addition and optimizer update are compiled, the noise draw is
+        the pipeline's own (bit-identical), and the accountant's step stays with the caller.
+
+        Privacy: that of :meth:`pipeline` (the same mechanism, the same accounting).
+        """
+        from opake_fx.compiled import compile_step
+
+        pipeline = self.pipeline(loss_fn, optimizer, key=key, **pipeline_kwargs)
+        return compile_step(pipeline, buckets=self.padding_buckets() if buckets == "auto" else buckets, mode=mode)
+
     def _claim_keys(self, *roles: tuple[str, RngKey]) -> None:
         """Records each ``(role, key)`` as one of this plan's keys; refuses a key that
         already has another role.

@@ -56,7 +56,7 @@ def _max_rel(a, b) -> float:
 def test_compiled_equals_eager_over_20_padded_steps():
     fmodel, params, loss = _mlp()
     plan = DPPlan(dataset_size=500, batch_size=16, steps=20, noise_multiplier=1.0, clipping_norm=1.0)
-    step = compile_step(plan.pipeline(loss, adam(1e-2), key=key(7)), buckets=(16,))
+    step = plan.compiled_step(loss, adam(1e-2), key=key(7), buckets=(16,))
     eager_pipe = plan.pipeline(loss, adam(1e-2), key=key(7))
     p_c, s_c = params, step.init(params)
     p_e, s_e = params, eager_pipe.init(params)
@@ -67,6 +67,15 @@ def test_compiled_equals_eager_over_20_padded_steps():
     assert _max_rel(p_c, p_e) < 1e-6
     assert step.sizes == {16}
     assert step.graphs_compiled <= 6  # one bucket: the first step, then once more for symbolic counters
+
+
+def test_plan_padding_buckets_cover_every_batch_it_can_draw():
+    plan = DPPlan(dataset_size=500, batch_size=16, steps=20, noise_multiplier=1.0, clipping_norm=1.0)
+    sizes = plan.padding_buckets()
+    assert sizes[0] == 8 and sizes[-1] == 500
+    capped = DPPlan(dataset_size=500, batch_size=16, steps=20, noise_multiplier=1.0, clipping_norm=1.0,
+                    sampling="truncated_poisson", max_batch_size=40)
+    assert capped.padding_buckets()[-1] == 40
 
 
 def test_noise_is_bit_identical():

@@ -32,6 +32,7 @@ import transformers
 from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
+from opake_fx.compiled import compile_step
 from opake_fx.distributed import all_reduce, get_rank, get_world_size, is_distributed
 from opake_fx.errors import BudgetExceededError, InputTypeError, InputValueError
 from opake_fx.functional import FunctionalModel, make_functional, with_batch_dim
@@ -91,6 +92,14 @@ class DPTrainer(transformers.Trainer):
     ``dp_state.rank{r}.pt`` (parameters, clip/noise/optimizer state, sampler position,
     accountant, privacy seed) next to Hugging Face's ``rng_state*.pth``;
     ``train(resume_from_checkpoint=...)`` continues the run exactly, dropout included.
+
+    ``torch_compile=True`` (Hugging Face's own flag; ``torch_compile_mode`` too) compiles
+    the DP step -- clip, noise, optimizer update -- with :func:`opake_fx.compiled.compile_step`
+    (the model is not compiled separately): the Poisson batches are padded to the plan's
+    :meth:`~opake_fx.plan.DPPlan.padding_buckets` and the padding is masked out of the clip,
+    so the parameters are those of the eager step (``tests/integrations/test_dptrainer_compile.py``).
+    With dropout, compiled code draws its masks from the compiler's own generator, so a
+    compiled run with dropout is not the eager run bit for bit (it is as private).
 
     Privacy contract: only the trainable parameters (``requires_grad``; the adapters of a
     PEFT model) are clipped, noised and released; each example's loss depends on that
@@ -198,6 +207,7 @@ class DPTrainer(transformers.Trainer):
         sampler = previous["sampler"] if previous is not None else self._sampler(plan, dataset, sampler_key, rank, world)
         optimizer = optimizer_from_args(args, plan.steps)
         pipelines: dict[tuple[str, ...], Any] = {}
+        compiled_steps: dict[tuple[str, ...], Any] = {}
 
         def pipeline_for(keys: tuple[str, ...]) -> Any:
             if keys not in pipelines:
@@ -205,6 +215,17 @@ class DPTrainer(transformers.Trainer):
                                                 key=noise_key, model=fmodel, batch_argnums=tuple(range(1, len(keys) + 1)),
                                                 microbatch_size=args.clipping_chunk_size, **pipeline_keys)
             return pipelines[keys]
+
+        def step_with(keys: tuple[str, ...], tensors: tuple[torch.Tensor, ...], state: Any, params: Any) -> tuple[Any, Any]:
+            """One step: the pipeline's update and apply_updates, compiled with ``torch_compile=True``
+            (Poisson batches padded to the plan's buckets, the padding masked out of the clip)."""
+            if not args.torch_compile:
+                updates, new_state = pipeline_for(keys).update(tensors, state, params)
+                return apply_updates(params, updates), new_state
+            if keys not in compiled_steps:
+                compiled_steps[keys] = compile_step(pipeline_for(keys), buckets=plan.padding_buckets(),
+                                                    mode=args.torch_compile_mode)
+            return compiled_steps[keys](params, state, tensors)
 
         non_private = plan.noise_multiplier == 0
         accountant = None if non_private else plan.accountant()
@@ -300,8 +321,7 @@ class DPTrainer(transformers.Trainer):
             keys = tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor)))
             tensors = tuple(batch[k] for k in keys)
             before = params  # the logged loss is the batch's loss at the parameters its step was computed at
-            updates, state = pipeline_for(keys).update(tensors, state, params)
-            params = apply_updates(params, updates)
+            params, state = step_with(keys, tensors, state, params)
             fmodel.load_into_model(params)
             self._dp.update(params=params, state=state, step=step + 1, charged=max(self._dp["charged"], step + 1))
             self.state.global_step = step + 1
