@@ -27,12 +27,15 @@ All at batch 16 of 64 tokens, 2 threads. Variants: ``non-private`` (mean loss, b
 SGD), ``floor`` (the same step plus one in-line draw of as many normals as there are
 trained parameters with opake_fx's keyed generator: the least any DP step costs),
 ``opake-auto`` and ``opake-vmap`` (``clipped_grad`` with C = 1, ``gaussian_noise``,
-in-place SGD). Times are printed as ``x non-private`` and ``x floor`` (Opacus is not run
+in-place SGD); with ``--compiled`` also ``opake-auto-compiled`` and ``opake-vmap-compiled``
+(``opake_fx.compiled.compile_step`` on ``chain(clip, noise, sgd)``; the compile time of
+each is printed before the table). Times are printed as ``x non-private`` and ``x floor`` (Opacus is not run
 here: its hooks have no per-sample rule for most of these modules). Timing is interleaved with one untimed settle step per turn (medians);
 memory is the peak RSS growth of 2 steps after setup, in a fresh process per variant.
 HF workloads need the ``hf`` extra and are skipped without it.
 
     python benchmarks/architectures.py --quick       # about 2.5 minutes on 2 cores
+    python benchmarks/architectures.py --quick --compiled   # + the compiled steps
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ from opake_fx.random import flat_tree_normal, fold_in, key  # noqa: E402
 B, T, D, HEADS, LR = 16, 64, 128, 4, 0.05
 WORKLOADS = ["torch-encoder", "gpt2-full", "gpt2-lora", "bert-cls", "gpt-neox", "llama", "t5"]
 VARIANTS = ["non-private", "floor", "opake-auto", "opake-vmap"]
+COMPILED = ["opake-auto-compiled", "opake-vmap-compiled"]  # with --compiled
+COMPILE_S: dict[str, float] = {}  # variant -> seconds of its compiling first steps (the last workload built)
 
 
 class TorchEncoderLM(nn.Module):
@@ -174,6 +179,8 @@ def setup_step(workload: str, variant: str, threads: int = 2) -> Callable[[], No
                 floor_step[0] += 1
 
         return step
+    if variant in ("opake-auto-compiled", "opake-vmap-compiled"):
+        return _compiled_step(variant, fmodel, losses, train, x, y)
     if variant == "opake-auto":
         batched = lambda tr, xb, yb: losses(fmodel, tr, xb, yb)  # noqa: E731
         grad_fn, cstate = clipped_grad(batched, clipping_norm=1.0, batch_argnums=(1, 2), normalize_by=B,
@@ -192,6 +199,31 @@ def setup_step(workload: str, variant: str, threads: int = 2) -> Callable[[], No
         torch._foreach_add_(train, list(noised.pytree), alpha=-LR)
 
     return dp_step
+
+
+def _compiled_step(variant: str, fmodel: Any, losses: Any, train: list[torch.Tensor], x: Any, y: Any) -> Callable[[], None]:
+    """The DP step of ``opake_fx.compiled.compile_step`` (clip, noise, SGD), compiled by its first two calls."""
+    from opake_fx.compiled import compile_step
+    from opake_fx.dpsgd import clip, noise
+    from opake_fx.optimizers import sgd
+    from opake_fx.transforms import chain
+
+    if variant == "opake-auto-compiled":
+        batched = lambda tr, xb, yb: losses(fmodel, tr, xb, yb)  # noqa: E731
+        stage = clip(batched, clipping_norm=1.0, batch_argnums=(1, 2), normalize_by=B, clip_backend="auto", model=fmodel)
+    else:
+        single = lambda tr, xi, yi: losses(fmodel, tr, xi[None], yi[None])[0]  # noqa: E731
+        stage = clip(single, clipping_norm=1.0, batch_argnums=(1, 2), normalize_by=B)
+    compiled = compile_step(chain(stage, noise(noise_multiplier=1.0, key=key(0)), sgd(LR)))
+    state: dict[str, Any] = {"params": tuple(train), "state": compiled.init(tuple(train))}
+
+    def step() -> None:
+        state["params"], state["state"] = compiled(state["params"], state["state"], (x, y))
+
+    t0 = time.perf_counter()
+    step(), step()  # compiles (the second call once more, with symbolic counters)
+    COMPILE_S[variant] = time.perf_counter() - t0
+    return step
 
 
 def available(workload: str) -> bool:
@@ -213,10 +245,12 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--compiled", action="store_true",
+                    help=f"add the compiled steps ({', '.join(COMPILED)}; compile times printed per workload)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     rounds = 7 if args.quick else 15
-    variants = [v for v in args.variants.split(",") if v]
+    variants = [v for v in args.variants.split(",") if v] + (COMPILED if args.compiled else [])
     rows = ["| workload | variant | step (ms) | x non-private | x floor | peak RSS growth (MiB) | memory / non-private |",
             "|---|---|---:|---:|---:|---:|---:|"]
     t0 = time.perf_counter()
@@ -224,7 +258,10 @@ def main() -> None:
         if not available(w):
             print(f"# {w}: skipped (needs the hf extra)", file=sys.stderr)
             continue
+        COMPILE_S.clear()
         steps = {v: setup_step(w, v) for v in variants}
+        if COMPILE_S:
+            print(f"# {w}: compile " + ", ".join(f"{v} {t:.1f} s" for v, t in COMPILE_S.items()), file=sys.stderr)
         timings = profiling.time_interleaved(steps, warmup=2, repeats=rounds, settle=1)
         del steps
         mems = {}

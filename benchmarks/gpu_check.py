@@ -37,6 +37,10 @@ Checks, each printed as ``PASS``/``FAIL`` with its measured error:
   have mean 0 and variance 1 within 6 standard errors of 2**22 draws; ``gaussian_noise``
   keeps the gradient on the device and adds noise of std ``noise_multiplier * max_norm``.
 
+* **compiled step** — ``opake_fx.compiled.compile_step`` (``mode="reduce-overhead"``: CUDA
+  graphs on a GPU) on clip + noise + Adam over 6 Poisson-like batches padded to one bucket
+  equals the eager pipeline within 1e-6 relative, with the parameters on the device.
+
 * **GPT-2 small** (``--gpt2``) — non-private, ``vmap``, ``auto`` and Opacus hooks on GPT-2
   small built from a config (batch 16 x 256 tokens, float32, untied head, eager attention):
   median step time, the ratio to non-private, kernel launches and host synchronisations
@@ -392,6 +396,37 @@ def check_independence(device: str, report: Report) -> None:
             report.check(f"independence {name} {backend}", refused, why)
 
 
+def check_compiled(device: str, report: Report, steps: int = 6) -> None:
+    """``compile_step`` on the device equals the eager pipeline (float32, padded Poisson-like batches)."""
+    from opake_fx.compiled import compile_step
+    from opake_fx.dpsgd import clip, noise
+    from opake_fx.optimizers import adam
+    from opake_fx.transforms import apply_updates, chain
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 4)).to(device)
+    fmodel, params = make_functional(net)
+    loss = lambda p, x, y: F.cross_entropy(fmodel(p, x[None]), y[None])  # noqa: E731
+
+    def pipe() -> Any:
+        return chain(clip(loss, clipping_norm=1.0, batch_argnums=(1, 2), normalize_by=16.0),
+                     noise(noise_multiplier=1.0, key=key(5)), adam(1e-2))
+
+    mode = "reduce-overhead" if device != "cpu" else None
+    step, eager = compile_step(pipe(), buckets=(16,), mode=mode), pipe()
+    p_c, s_c, p_e, s_e = params, step.init(params), params, eager.init(params)
+    g = torch.Generator().manual_seed(3)
+    for n in [16, 13, 15, 11, 16, 14][:steps]:
+        x, y = torch.randn(n, 12, generator=g).to(device), torch.randint(0, 4, (n,), generator=g).to(device)
+        p_c, s_c = step(p_c, s_c, (x, y))
+        u, s_e = eager.update((x, y), s_e, p_e)
+        p_e = apply_updates(p_e, u)
+    err = _max_rel([t.detach() for t in p_c], [t.detach() for t in p_e])
+    on_device = all(t.device.type == torch.device(device).type for t in p_c)
+    report.check(f"compiled step ({mode or 'default'}) == eager, {steps} padded steps", err < 1e-6 and on_device,
+                 f"max rel {err:.1e}, {step.graphs_compiled} graphs, sizes {sorted(step.sizes)}")
+
+
 def run_checks(device: str) -> Report:
     report = Report()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -401,12 +436,13 @@ def run_checks(device: str) -> Report:
     check_independence(device, report)
     check_prefetch(device, report, params=(1 << 24) if device != "cpu" else (1 << 20))
     check_noise(device, report)
+    check_compiled(device, report)
     return report
 
 
 # GPT-2 small as the compiled-step issue measures it (untied head, eager attention, float32).
 GPT2_SMALL = dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
-GPT2_VARIANTS = ("non-private", "opake-vmap", "opake-auto", "opacus-hooks")
+GPT2_VARIANTS = ("non-private", "opake-vmap", "opake-auto", "opake-vmap-compiled", "opake-auto-compiled", "opacus-hooks")
 
 
 def gpt2_step(variant: str, device: str, batch: int, seq: int, config: dict[str, int]) -> Callable[[], None]:
@@ -443,6 +479,27 @@ def gpt2_step(variant: str, device: str, batch: int, seq: int, config: dict[str,
 
         return plain
     fmodel, params = make_functional(model)
+    if variant.endswith("-compiled"):  # compile_step: clip + noise + SGD traced (CUDA graphs on a GPU)
+        from opake_fx.compiled import compile_step
+        from opake_fx.dpsgd import clip, noise
+        from opake_fx.optimizers import sgd
+        from opake_fx.transforms import chain
+
+        if variant == "opake-vmap-compiled":
+            loss = lambda p, x, y, pos: losses(fmodel(p, input_ids=x[None], position_ids=pos[None]), y[None])[0]  # noqa: E731
+            stage = clip(loss, clipping_norm=1.0, batch_argnums=(1, 2, 3), normalize_by=batch)
+        else:
+            loss = lambda p, x, y, pos: losses(fmodel(p, input_ids=x, position_ids=pos), y)  # noqa: E731
+            stage = clip(loss, clipping_norm=1.0, batch_argnums=(1, 2, 3), normalize_by=batch, clip_backend="auto",
+                         model=fmodel)
+        compiled = compile_step(chain(stage, noise(noise_multiplier=1.0, key=key(0)), sgd(1e-3)),
+                                mode="reduce-overhead" if device != "cpu" else None)
+        cstate: dict[str, Any] = {"params": params, "state": compiled.init(params)}
+
+        def compiled_dp() -> None:
+            cstate["params"], cstate["state"] = compiled(cstate["params"], cstate["state"], (ids, ids, positions))
+
+        return compiled_dp
     if variant == "opake-vmap":
         loss = lambda p, x, y, pos: losses(fmodel(p, input_ids=x[None], position_ids=pos[None]), y[None])[0]  # noqa: E731
         grad_fn, cstate = clipped_grad(loss, clipping_norm=1.0, batch_argnums=(1, 2, 3), normalize_by=batch)
@@ -476,8 +533,12 @@ def time_gpt2(device: str, batch: int = 16, seq: int = 256, config: dict[str, in
     for variant in variants:
         try:
             step = gpt2_step(variant, device, batch, seq, config or GPT2_SMALL)
-            for _ in range(2):  # warm-up: the first calls probe and cache
+            sync()
+            t_warm = time.perf_counter()
+            for _ in range(2):  # warm-up: the first calls probe and cache (and compile)
                 step()
+            sync()
+            warm_s = time.perf_counter() - t_warm
             times = []
             for _ in range(steps):
                 sync()
@@ -493,9 +554,9 @@ def time_gpt2(device: str, batch: int = 16, seq: int = 256, config: dict[str, in
             launches = sum(c for k, c in counts.items() if k.startswith("cudaLaunchKernel") or k == "cuLaunchKernel")
             syncs = counts.get("aten::_local_scalar_dense", 0)
             rows.append({"variant": variant, "ms": 1e3 * sorted(times)[len(times) // 2], "launches": launches,
-                         "syncs": syncs, "error": ""})
+                         "syncs": syncs, "warmup_s": warm_s, "error": ""})
         except Exception as e:  # noqa: BLE001 - a variant that cannot run (Opacus on this model) is reported
-            rows.append({"variant": variant, "ms": math.nan, "launches": 0, "syncs": 0,
+            rows.append({"variant": variant, "ms": math.nan, "launches": 0, "syncs": 0, "warmup_s": math.nan,
                          "error": f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"})
         finally:
             step = None  # type: ignore[assignment]
@@ -508,10 +569,11 @@ def time_gpt2(device: str, batch: int = 16, seq: int = 256, config: dict[str, in
 
 
 def gpt2_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| variant | step (ms) | x non-private | kernel launches / step | host syncs / step | note |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = ["| variant | step (ms) | x non-private | kernel launches / step | host syncs / step | first 2 steps (s) | note |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['ms']:.1f} | {r['ratio']:.2f}x | {r['launches']} | {r['syncs']} | {r['error']} |")
+        lines.append(f"| {r['variant']} | {r['ms']:.1f} | {r['ratio']:.2f}x | {r['launches']} | {r['syncs']} | "
+                     f"{r['warmup_s']:.1f} | {r['error']} |")
     return "\n".join(lines)
 
 

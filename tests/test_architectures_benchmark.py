@@ -28,7 +28,7 @@ def test_each_workload_steps(bench, workload, monkeypatch):
     monkeypatch.setattr(bench, "T", 16)
     threads = torch.get_num_threads()
     try:
-        for variant in ("non-private", "floor", "opake-auto"):
+        for variant in ("non-private", "floor", "opake-auto") + (("opake-auto-compiled",) if workload == "torch-encoder" else ()):
             bench.setup_step(workload, variant)()
     finally:
         torch.set_num_threads(threads)

@@ -27,8 +27,9 @@ def test_checks_pass_on_cpu(gpu_check):
     assert report.ok, "\n".join(line for line in report.lines if line.startswith("FAIL"))
     # 6 model kinds x (3 backends + microbatching + float32) + 2 layer-rule checks + 3 certified-norm checks
     # + the float32 Gram norms against float64 + 2 attacks x 2 backends refused by the independence guard
-    # + noise drawn ahead + 3 noise checks
-    assert len(report.lines) == 6 * 5 + 2 + 3 + 1 + 4 + 1 + 3
+    # + noise drawn ahead + 3 noise checks + the compiled step against the eager one
+    assert len(report.lines) == 6 * 5 + 2 + 3 + 1 + 4 + 1 + 3 + 1
+    assert any(line.startswith("PASS") and "compiled step" in line for line in report.lines)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -63,10 +64,22 @@ def test_an_accepted_mixing_model_is_reported(gpu_check, monkeypatch):
 def test_the_gpt2_timing_runs_on_a_tiny_config(gpu_check):
     pytest.importorskip("transformers")
     tiny = dict(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=16)
-    rows = gpu_check.time_gpt2("cpu", batch=3, seq=8, config=tiny, steps=1)
+    eager = tuple(v for v in gpu_check.GPT2_VARIANTS if not v.endswith("-compiled"))
+    rows = gpu_check.time_gpt2("cpu", batch=3, seq=8, config=tiny, steps=1, variants=eager)
     by = {r["variant"]: r for r in rows}
-    assert list(by) == list(gpu_check.GPT2_VARIANTS)
+    assert list(by) == list(eager)
     for v in ("non-private", "opake-vmap", "opake-auto"):
         assert by[v]["error"] == "" and by[v]["ms"] > 0 and by[v]["launches"] == 0  # no CUDA kernels on the CPU
     assert by["non-private"]["ratio"] == 1.0
     assert "| opake-auto |" in gpu_check.gpt2_table(rows)
+
+
+@pytest.mark.slow
+def test_the_compiled_gpt2_variants_run_on_a_tiny_config(gpu_check):
+    pytest.importorskip("transformers")
+    tiny = dict(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=16)
+    compiled = ("non-private", "opake-vmap-compiled", "opake-auto-compiled")
+    rows = gpu_check.time_gpt2("cpu", batch=3, seq=8, config=tiny, steps=1, variants=compiled)
+    for r in rows:
+        assert r["error"] == "" and r["ms"] > 0 and r["warmup_s"] > 0, r
+    assert "first 2 steps (s)" in gpu_check.gpt2_table(rows)
