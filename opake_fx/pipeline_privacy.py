@@ -88,6 +88,10 @@ class StagePrivacy:
         scale: for ``postprocess``, the public factor by which the stage multiplies the
             noise's stddev and the sensitivity (``a`` for ``g -> a * g``); ``None`` for any
             other map (the report then says ``"unknown"`` after it).
+        paired: for ``clip``, the stage releases a gradient and its squares together
+            (``second_moment=True``): the noise stage splits its budget between the two
+            streams, so neither stream's stddev is ``noise_multiplier * sensitivity`` (the
+            report says :data:`UNKNOWN` for it).
         takes_example_mask: for ``clip``, the stage's ``update`` honours the keyword
             ``example_mask`` (padding rows contribute exactly zero), so a padded batch
             (:func:`opake_fx.padding.pad_batch`) may be given to it.
@@ -102,6 +106,7 @@ class StagePrivacy:
     stages: tuple[tuple[str, Any], ...] = field(default=())
     scale: float | None = None
     takes_example_mask: bool = False
+    paired: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in STAGE_KINDS:
@@ -272,6 +277,7 @@ def privacy_report(
     mechanism: str | None = None
     clip_sens: float | None = None
     uneven_groups = False
+    paired = False
     has_clip = any(info is not None and info.kind == "clip" for _, info in flat)
     for name, info in flat:
         if info is None:
@@ -296,6 +302,7 @@ def privacy_report(
             clip_sens = _effective(info.max_norm)
             sens = UNKNOWN if clip_sens is None else clip_sens
             uneven_groups = isinstance(info.max_norm, PerGroup) and len(set(info.max_norm.values.values())) > 1
+            paired = info.paired
             note = "per-example clipping: sensitivity max_norm (add-or-remove-one)" + (
                 "; known per step (adaptive; its noised count also costs privacy: no epsilon is reported, account "
                 "with adaptive_clipping_gaussian or DPPlan)" if clip_sens is None else ""
@@ -307,8 +314,10 @@ def privacy_report(
             factor = info.noise_sensitivity if info.noise_sensitivity is not None else 1.0
             if nm == 0:
                 std = 0.0
-            elif nm is None or not isinstance(sens, float) or (uneven_groups and mechanism == "gaussian"):
-                std = UNKNOWN  # per-group stddevs of uneven groups depend on the noise stage's allocation
+            elif nm is None or not isinstance(sens, float) or (uneven_groups and mechanism == "gaussian") or paired:
+                # per-group stddevs of uneven groups depend on the noise stage's allocation; a paired
+                # (second-moment) release splits the budget between its two streams by the stage's share
+                std = UNKNOWN
             else:
                 std = nm * factor * sens
             note = (
@@ -316,6 +325,7 @@ def privacy_report(
                 if nm == 0
                 else f"{mechanism} mechanism, sigma={nm:g}" + (f" x strategy sensitivity {factor:.4g}" if factor != 1 else "")
                 + ("; per-group stddevs (allocated by the noise stage)" if std == UNKNOWN and uneven_groups else "")
+                + ("; gradient and squares noised jointly (the stddevs follow second_moment_share)" if paired else "")
             )
         elif info.kind == "postprocess":
             if info.scale is None:

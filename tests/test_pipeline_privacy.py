@@ -184,3 +184,23 @@ def test_a_stage_before_clip_that_breaks_the_batch_is_named_when_clip_fails(pre,
     p = torch.zeros(2, 3)
     with pytest.raises(OperationError, match=r"clip stage 'clip' failed .* stage 'prep' changed the " + change):
         pipe.update((torch.ones(4, 2),), pipe.init(p), p)
+
+
+def test_a_second_moment_release_reports_its_noise_stddev_as_unknown():
+    """The gradient stream's stddev is sigma * s / sqrt(1 - share), not sigma * s: never print the latter."""
+    import torch
+
+    from opake_fx.dpsgd import clip, noise
+    from opake_fx.pipeline_privacy import UNKNOWN
+    from opake_fx.random import key
+    from opake_fx.transforms import named_chain
+
+    loss = lambda p, x: (p * x).sum()  # noqa: E731
+    pipe = named_chain(("clip", clip(loss, clipping_norm=1.0, normalize_by=4.0, second_moment=True)),
+                       ("noise", noise(noise_multiplier=2.0, key=key(0))))
+    report = pipe.privacy_report()
+    assert report.noise_stddev == UNKNOWN
+    out, _ = pipe.update((torch.ones(3, 2),), pipe.init(torch.zeros(2)), torch.zeros(2))
+    assert out.noisy_grads.noise_stddev != 2.0 * 1.0 / 4.0  # what the report would have said
+    plain = named_chain(("clip", clip(loss, clipping_norm=1.0, normalize_by=4.0)), ("noise", noise(noise_multiplier=2.0, key=key(0))))
+    assert plain.privacy_report().noise_stddev == 0.5

@@ -101,7 +101,8 @@ def clip(
         second_moment=second_moment,
     )  # validates clipping_norm and normalize_by
     described = StagePrivacy(
-        "clip", f"clip to {clipping_norm}, divided by {normalize_by:g}", max_norm=clipping_norm / normalize_by
+        "clip", f"clip to {clipping_norm}, divided by {normalize_by:g}", max_norm=clipping_norm / normalize_by,
+        paired=second_moment,
     )
     return as_stage(grad_fn, state, batch_argnums=batch_argnums, privacy=described, return_stats=return_stats)
 
@@ -154,6 +155,7 @@ def auto_clip(
         "clip",
         f"AUTO-S to {clipping_norm} (gamma={gamma:g}), divided by {normalize_by:g}",
         max_norm=clipping_norm / normalize_by,
+        paired=second_moment,
     )
     return as_stage(grad_fn, state, batch_argnums=batch_argnums, privacy=described, return_stats=return_stats)
 
@@ -220,6 +222,7 @@ def adaptive_clip(
         "clip",
         f"adaptive clipping from {initial_clipping_norm} (quantile {target_quantile:g}), divided by {normalize_by:g}; "
         f"count noise multiplier {count_noise_multiplier:g}",
+        paired=second_moment,
     )
     return as_stage(grad_fn, state, batch_argnums=batch_argnums, privacy=described, return_stats=return_stats)
 
