@@ -65,7 +65,9 @@ def compile_step(pipeline: Transform, *, buckets: Sequence[int] | None = None, m
 
     Raises:
         InputValueError: ``buckets`` with a pipeline whose clip stage cannot take the
-            padding mask (or that says nothing about its stages), or an unknown ``mode``.
+            padding mask (or that says nothing about its stages), a clip stage whose norm
+            moves every step (adaptive clipping: it would recompile every step), or an
+            unknown ``mode``.
 
     Privacy: as the pipeline's (see the module docstring); the padding is masked out,
         and the noise is drawn by the pipeline's own keyed generator.
@@ -91,6 +93,7 @@ def compile_step(pipeline: Transform, *, buckets: Sequence[int] | None = None, m
         raise InputTypeError(f"compile_step needs a Transform (a DP pipeline); got {type(pipeline).__name__}.")
     if mode not in _MODES:
         raise InputValueError(f"compile_step: mode must be one of {_MODES}; got {mode!r}.")
+    _check_fixed_clip_norm(pipeline)
     if buckets is not None:
         bucket_for(1, buckets)  # validates
         _check_takes_mask(pipeline)
@@ -184,6 +187,17 @@ class CompiledStep:
             return compile_fx(gm, example_inputs, config_patches=patches)
 
         return backend
+
+
+def _check_fixed_clip_norm(pipeline: Transform) -> None:
+    moving = [name for name, stage in _clip_stages(pipeline.privacy) if stage.max_norm is None]
+    if moving:
+        raise InputValueError(
+            f"compile_step: the clip stage {moving[0]!r} sets its clip norm step by step (adaptive clipping, or a "
+            "clipping function whose max_norm is only known per call); the compiled graph holds the norm as a "
+            "constant, so every step would compile again. Run this pipeline eagerly (pipeline.update), or use a "
+            "fixed or AUTO-S clip norm (DPPlan(clipping_mode='fixed' or 'auto'))."
+        )
 
 
 def _check_takes_mask(pipeline: Transform) -> None:

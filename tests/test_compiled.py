@@ -212,3 +212,11 @@ def test_vmap_step_traces_into_one_clip_graph():
     report = step.explain(params, step.init(params), _batches([16])[0])
     reasons = [r.reason for r in report.break_reasons]
     assert report.graph_break_count <= 2, reasons
+
+
+def test_adaptive_clipping_is_refused_with_the_fix():
+    _, _, loss = _mlp()
+    plan = DPPlan(dataset_size=500, batch_size=16, steps=20, noise_multiplier=1.0, clipping_norm=1.0,
+                  clipping_mode="adaptive")
+    with pytest.raises(InputValueError, match="every step would compile again"):
+        plan.compiled_step(loss, sgd(0.1), key=key(1), count_key=key(2))

@@ -227,6 +227,9 @@ class DPTrainer(transformers.Trainer):
                                                     mode=args.torch_compile_mode)
             return compiled_steps[keys](params, state, tensors)
 
+        if args.torch_compile:  # refused before anything is charged or changed (e.g. adaptive clipping)
+            compile_step(pipeline_for(("input_ids",)), buckets=plan.padding_buckets(), mode=args.torch_compile_mode)
+
         non_private = plan.noise_multiplier == 0
         accountant = None if non_private else plan.accountant()
         if non_private:

@@ -37,3 +37,17 @@ def test_torch_compile_trains_what_the_eager_step_trains(tmp_path, clip_backend)
     for n in eager:
         torch.testing.assert_close(compiled[n], eager[n], rtol=1e-6, atol=1e-7)
     assert [e.get("epsilon") for e in compiled_log] == [e.get("epsilon") for e in eager_log]
+
+
+def test_torch_compile_with_adaptive_clipping_is_refused_before_any_step(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=4, learning_rate=1e-2,
+                             privacy_target_epsilon=8.0, privacy_seed=3, privacy_accountant="rdp",
+                             clipping_mode="adaptive", torch_compile=True, **hf.COMMON)
+    torch.manual_seed(0)
+    model = hf.gpt2()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = DPTrainer(model=model, args=args, train_dataset=hf.counting_lm_data(64))
+    with pytest.raises(Exception, match="every step would compile again"):
+        hf.quiet_train(trainer)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert trainer.accountant is None or trainer.accountant.steps in (0, None)

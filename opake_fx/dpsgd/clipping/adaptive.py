@@ -135,6 +135,7 @@ def adaptive_clipped_grad(
     )
     options = ClipOptions.pick(locals())
 
+    @torch.compiler.disable  # host-side: the noised count (keyed draw, .item()) and the next norm
     def advance(state: AdaptiveClipState, result: StepResult) -> AdaptiveClipState:
         c = state.clipping_norm
         below = ((result.norms[0] <= c) & result.counted).sum().item()
