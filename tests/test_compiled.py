@@ -67,6 +67,11 @@ def test_compiled_equals_eager_over_20_padded_steps():
     assert _max_rel(p_c, p_e) < 1e-6
     assert step.sizes == {16}
     assert step.graphs_compiled <= 6  # one bucket: the first step, then once more for symbolic counters
+    # a steady-state compiled step makes no host synchronisation (.item(), bool(tensor))
+    x, y = _batches([14], seed=9)[0]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(p_c, s_c, (x, y))
+    assert sum(e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense") == 0
 
 
 def test_plan_padding_buckets_cover_every_batch_it_can_draw():
