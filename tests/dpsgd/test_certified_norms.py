@@ -84,7 +84,14 @@ def test_gram_norm_is_an_upper_bound_of_the_exact_norm(t, d, spread, scale, seed
     assert math.isfinite(float(sq[0])) and 0.0 <= float(sq[0]) <= float(s[0]) ** 2 * (1 + 1e-12)
 
 
-def test_gram_norm_exact_on_cancellation_where_float32_grams_fail():
+def float32_gram_slack(t: int, d_in: int, d_out: int) -> float:
+    """What a float32 Gram bound may add to the squared norm, relative to ``s**2`` (the
+    documented bound of ``_certified._gram_sq_norms_float32_scaled``, with a 10% margin)."""
+    f32 = torch.float32
+    return 1.1 * (cert.gamma(d_in + 2, f32) + cert.gamma(d_out + 2, f32) + 2 * cert.gamma(t, f32))
+
+
+def test_gram_norm_bounds_cancellation_where_float32_grams_fail():
     # 64 equal rows, alternating output gradients: the exact gradient is zero up to the spread.
     a = cancelling(64, 64, 1.0, 1e-6, 3, torch.float32)
     g = alternating(64, 5, 1.0, 3, torch.float32)
@@ -92,8 +99,9 @@ def test_gram_norm_exact_on_cancellation_where_float32_grams_fail():
     naive = float(torch.linalg.vecdot((a @ a.T).flatten(), (g @ g.T).flatten()))
     sq, s = cert.gram_sq_norms(a[None, None], g[None, None])
     assert abs(naive - exact) > 10 * exact  # float32 Grams are useless here...
-    # ...the certified norm is above the exact one, by no more than its rounding bound
-    assert exact <= float(sq[0]) <= exact + 1e-12 * float(s[0]) ** 2
+    # ...the certified norm is above the exact one, by no more than the float32 rounding bound
+    # (it is not recomputed in float64: that would need a host synchronisation to find it)
+    assert exact <= float(sq[0]) <= exact + float32_gram_slack(64, 64, 5) * float(s[0]) ** 2
 
 
 def test_sq_norms_upper_bound_in_float64_and_rescued_overflow():
@@ -261,11 +269,13 @@ def test_float32_gram_bound_holds_for_every_example_it_keeps(t, d, spread, scale
         sq, s, loose = cert._gram_sq_norms_float32(a[None, None], gg[None, None])
         if bool(loose[0]):
             continue
-        assert float(sq[0]) >= exact_sq_norm(a, gg)
+        exact = exact_sq_norm(a, gg)
+        assert float(sq[0]) >= exact
         assert float(sq[0]) <= float(s[0]) ** 2 * (1 + 1e-12)
-        # ...and what is kept is tight: within LOOSE of the computed value
+        # ...and the public path (at the power-of-two scale of each example) is as tight:
+        # equal but for the underflow terms, which the rescaling can only shrink
         full, _ = cert.gram_sq_norms(a[None, None], gg[None, None])
-        assert float(full[0]) == float(sq[0])
+        assert exact <= float(full[0]) <= float(sq[0]) * (1 + 1e-12)
 
 
 def test_float32_gram_is_kept_on_ordinary_sequences_and_tight():
@@ -280,14 +290,14 @@ def test_float32_gram_is_kept_on_ordinary_sequences_and_tight():
     print("float32 Gram over-estimate of the squared norm, max:", float(ratio.max() - 1.0))
 
 
-def test_float32_gram_hands_cancellation_to_float64():
+def test_float32_gram_keeps_a_loose_but_valid_bound_on_cancellation():
     a = cancelling(64, 64, 1.0, 1e-6, 3, torch.float32)
     g = alternating(64, 5, 1.0, 3, torch.float32)
     _, _, loose = cert._gram_sq_norms_float32(a[None, None], g[None, None])
-    assert bool(loose[0])  # the float32 bound is far above the tiny exact norm: recomputed
+    assert bool(loose[0])  # the float32 bound is far above the tiny exact norm...
     sq, s = cert.gram_sq_norms(a[None, None], g[None, None])
-    exact = exact_sq_norm(a, g)
-    assert exact <= float(sq[0]) <= exact + 1e-12 * float(s[0]) ** 2
+    exact = exact_sq_norm(a, g)  # ...and kept: still an upper bound, within the float32 rounding bound
+    assert exact <= float(sq[0]) <= exact + float32_gram_slack(64, 64, 5) * float(s[0]) ** 2
 
 
 def test_non_ieee_float32_matmul_takes_the_float64_path():
@@ -326,10 +336,11 @@ def test_float32_row_sq_norms_are_upper_bounds(n, scale, zeros, seed):
             assert float(sq[i]) <= exact * (1 + cert.LOOSE) + 1e-300
 
 
-def test_float32_gram_products_past_float32_range_go_to_float64():
+def test_float32_gram_products_past_float32_range_are_rescaled():
     # Grams in range (entries ~1e30 and ~1e20) whose products (~1e50) are not: the float32
-    # evaluation of sum Â Ĥ overflows, so the example must be handed to float64, and the
-    # norm it gets there is still an upper bound of the exact one.
+    # evaluation of sum Â Ĥ overflows at the stored scale, so the example is taken at the
+    # power-of-two scale of its largest entries, where its norm is finite, an upper bound of
+    # the exact one, and tight.
     gen = torch.Generator().manual_seed(5)
     a = torch.randn(6, 8, generator=gen) * 1e15
     g = torch.randn(6, 3, generator=gen) * 1e10
@@ -337,7 +348,7 @@ def test_float32_gram_products_past_float32_range_go_to_float64():
     assert bool(loose[0])
     sq, s = cert.gram_sq_norms(a[None, None], g[None, None])
     exact = exact_sq_norm(a, g)
-    assert exact <= float(sq[0]) <= exact * (1 + 1e-9)
+    assert exact <= float(sq[0]) <= exact * (1 + 1e-4)
 
 
 def test_float32_gram_rows_that_cancel_keep_a_valid_bound():

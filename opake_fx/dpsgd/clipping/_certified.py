@@ -97,13 +97,17 @@ def sq_norms(x: torch.Tensor) -> torch.Tensor:
 
     The entries are taken as they are stored (the values a weighted sum will read). float32
     rows (512 entries or more, or many short rows) are summed in float32 over segments of
-    (up to) 512 entries and the segments in float64,
-    with the float32 rounding bound (and an underflow term) added; a row whose bound is
-    loose or not finite is recomputed on the float64 path. There, every square of a
-    float32 / bfloat16 / float16 value is exact in float64, and the float64 sum's
-    rounding is covered by a ``(1 + gamma_{n+2})`` factor. float64 rows whose sum of
-    squares overflows are rescaled by their largest entry; the square of a norm above
-    ~1.3e154 is inf, which the engine treats as a non-finite example (weight 0).
+    (up to) 512 entries and the segments in float64, with the float32 rounding bound (and
+    an underflow term) added. A row whose largest entry is outside ``[2**-21, 2**20)`` is
+    first multiplied by the power of two that brings that entry into ``[0.5, 1)`` (exact,
+    and undone exactly in float64), so no row overflows float32 or loses its digits to
+    underflow: every finite row gets a bound within about ``gamma_514`` (3e-5) of its
+    value, with no recomputation and no host synchronisation. Other dtypes take the float64
+    path: every square of a float32 / bfloat16 / float16 value is exact in float64, and the
+    float64 sum's rounding is covered by a ``(1 + gamma_{n+2})`` factor; float64 rows are
+    rescaled the same way (outside ``[2**-300, 2**300)``). A norm whose square is beyond
+    float64's range (above ~1.3e154) is inf, and a row holding a NaN or an inf has a
+    non-finite bound: the engine gives those examples weight 0.
 
     Example:
         >>> sq = sq_norms(torch.tensor([[3.0, 4.0], [0.0, 0.0]]))
@@ -114,11 +118,27 @@ def sq_norms(x: torch.Tensor) -> torch.Tensor:
     x = x.reshape(b, -1)
     n = x.shape[1]
     if x.dtype == torch.float32 and x.is_contiguous() and (n >= _SEGMENT or (n > 0 and b * n >= _CHUNK_ELEMS)):
-        fast, loose = _sq_norms_float32(x)
-        if bool(loose.any()):
-            fast[loose] = _sq_norms_float64(x[loose])
-        return fast
+        return _sq_norms_float32_scaled(x)
     return _sq_norms_float64(x)
+
+
+def _sq_norms_float32_scaled(x: torch.Tensor) -> torch.Tensor:
+    """:func:`sq_norms` of a float32 ``[b, n]``: float32 segment sums of each row at the
+    power-of-two scale of its largest entry (:func:`_row_scales`), undone in float64.
+
+    A row scaled down can lose entries to underflow (the scaled value of an entry below
+    ``2**-126`` is rounded, off by at most ``2**-150``); with every scaled entry below 4
+    that moves the norm by at most ``sqrt(n) 2**-150`` and the squared norm by at most
+    ``4 n 2**-150 + n 2**-300``, which is added (it vanishes next to such a row's squared
+    norm, at least 0.25). Rows of zeros are exactly 0; a NaN or inf entry gives a
+    non-finite bound."""
+    amax = x.abs().amax(dim=1)
+    e, down = _row_scales(amax, _BAND32, _EXP32)
+    xs = x * _exp2(-e, torch.float32).unsqueeze(1)  # exact, but for entries that underflow
+    sq, _ = _sq_norms_float32(xs)
+    sq = torch.where(down, sq + x.shape[1] * 2.0**-147, sq)
+    sq = sq * _exp2(2 * e, torch.float64)  # 2e in [-200, 252]: exact in float64
+    return torch.where(amax == 0, torch.zeros((), dtype=sq.dtype, device=sq.device), sq)  # (NaN stays NaN)
 
 
 def _sq_norms_float32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,15 +178,16 @@ def _inverse_margin(m: int) -> float:
 def _sq_norms_float64(x: torch.Tensor) -> torch.Tensor:
     b, n = x.shape
     if x.dtype == torch.float64:
-        sq = torch.linalg.vecdot(x, x)
-        bad = ~torch.isfinite(sq)
-        if bool(bad.any()):
-            finite = torch.isfinite(x).all(dim=1) & bad
-            if bool(finite.any()):
-                scale = _power_of_two_scale(x.abs().amax(dim=1))
-                scaled = x / scale.unsqueeze(1)  # exact: a power of two
-                sq = torch.where(finite, torch.linalg.vecdot(scaled, scaled) * scale.square(), sq)
-    elif b * n <= _CHUNK_ELEMS:  # one chunk
+        # float64 rows can overflow or underflow in their squares: rows whose largest entry is
+        # outside [2**-300, 2**300) are taken at the power-of-two scale of that entry (exact, but
+        # for entries that underflow: the squared norm moves by at most ~4 n 2**-1075, far
+        # inside the (1 + gamma) factor of a scaled row, whose squared norm is at least 0.25).
+        amax = x.abs().amax(dim=1)
+        e, _ = _row_scales(amax, _BAND64, _EXP64)
+        xs = x * _exp2(-e, torch.float64).unsqueeze(1)
+        sq = torch.linalg.vecdot(xs, xs) * (1.0 + gamma(n + 2, torch.float64))
+        return _unscale64(sq, 2 * e)
+    if b * n <= _CHUNK_ELEMS:  # one chunk
         rows = x.to(torch.float64)
         sq = torch.linalg.vecdot(rows, rows)
     else:
@@ -203,11 +224,47 @@ def gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch
         (True, True)
     """
     if a.dtype == torch.float32 and g.dtype == torch.float32 and float32_matmul_is_ieee(a.device):
-        sq, s, loose = _gram_sq_norms_float32(a, g)
-        if bool(loose.any()):
-            sq[loose], s[loose] = _gram_sq_norms_float64(a[loose], g[loose])
-        return sq, s
+        return _gram_sq_norms_float32_scaled(a, g)
     return _gram_sq_norms_float64(a, g)
+
+
+def _gram_sq_norms_float32_scaled(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 path of :func:`gram_sq_norms`, every example at the power-of-two scale of its
+    largest ``a`` and ``g`` entries, so that no example is out of float32's range.
+
+    Each example's ``a`` (and ``g``) whose largest entry is outside ``[2**-21, 2**20)`` is
+    multiplied by the power of two that brings it into ``[0.5, 1)``; inside that band every
+    float32 intermediate of :func:`_gram_sq_norms_float32` stays finite for ``T d_in d_out <
+    2**48``. The scaling is exact but for entries it pushes below ``2**-126`` (scaled down:
+    off by at most ``2**-150`` each); with scaled entries below 4 that moves the norm and
+    ``s`` by at most ``delta = G T (d_in + d_out) 2**-146``, and the squared norm by at most
+    ``(2 s + delta) delta``, which are added for examples scaled down.
+
+    No example is recomputed (that would need a host synchronisation to find it): an example
+    whose float32 bound is loose (above :data:`LOOSE` of its value, i.e. crafted cancellation
+    of nearly equal positions against output gradients of alternating sign) keeps that bound.
+    It is still an upper bound of its exact norm, only looser: at most about
+    ``sqrt((gamma_{d_in+2} + gamma_{d_out+2} + 2 gamma_T) (1 + 1e-2))`` of the triangle bound
+    ``s = sum_t |a_t| |g_t|`` above the exact norm (for GPT-2 small's widest layer, d_in +
+    d_out = 3840 at T = 1024, about 1.6e-2 s), so such an example is clipped at most that much
+    harder than necessary; an example whose positions do not cancel is never loose (measured
+    on random sequences: about 1e-4 of the squared norm). Only an example holding a NaN or an
+    inf gets a non-finite norm (weight 0), as in float64.
+    """
+    b, groups, t = a.shape[0], a.shape[1], a.shape[2]
+    d_in, d_out = a.shape[3], g.shape[3]
+    amax_a, amax_g = a.abs().reshape(b, -1).amax(dim=1), g.abs().reshape(b, -1).amax(dim=1)
+    ea, down_a = _row_scales(amax_a, _BAND32, _EXP32)
+    eg, down_g = _row_scales(amax_g, _BAND32, _EXP32)
+    a_s = a * _exp2(-ea, torch.float32).view(-1, 1, 1, 1)
+    g_s = g * _exp2(-eg, torch.float32).view(-1, 1, 1, 1)
+    sq, s, _ = _gram_sq_norms_float32(a_s, g_s)
+    delta = groups * t * (d_in + d_out) * 2.0**-146
+    down = down_a | down_g
+    sq = torch.where(down, sq + (2.0 * s + delta) * delta, sq)
+    s = torch.where(down, s + delta, s)
+    e = ea + eg  # in [-200, 252]: 2**e and 2**(2 e) are exact float64 numbers
+    return sq * _exp2(2 * e, torch.float64), s * _exp2(e, torch.float64)
 
 
 def _row_sq_upper32(fl: torch.Tensor, d: int) -> torch.Tensor:
@@ -300,15 +357,18 @@ def _gram_sq_norms_float64(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tens
     b, groups, t = a.shape[0], a.shape[1], a.shape[2]
     d_in, d_out = a.shape[3], g.shape[3]
     a64, g64 = a.to(torch.float64), g.to(torch.float64)
-    scale = None
+    scaled: tuple[torch.Tensor, torch.Tensor] | None = None
     if a.dtype == torch.float64 or g.dtype == torch.float64:
-        # float64 inputs can overflow (or underflow) in the Gram products: take every example
-        # at the power-of-two scale of its largest entry, so the rescaling is exact.
-        sa = _power_of_two_scale(a64.abs().flatten(1).amax(1))
-        sg = _power_of_two_scale(g64.abs().flatten(1).amax(1))
-        if bool(((sa > 2.0**300) | (sg > 2.0**300) | (sa < 2.0**-300) | (sg < 2.0**-300)).any()):
-            a64, g64 = a64 / sa.view(-1, 1, 1, 1), g64 / sg.view(-1, 1, 1, 1)
-            scale = (sa * sg).square()
+        # float64 inputs can overflow (or underflow) in the Gram products: an example whose
+        # largest entry is outside [2**-300, 2**300) is taken at the power-of-two scale of that
+        # entry (exact; every example is multiplied, by 1 inside the band: no host
+        # synchronisation decides which).
+        amax_a, amax_g = a64.abs().flatten(1).amax(1), g64.abs().flatten(1).amax(1)
+        ea, down_a = _row_scales(amax_a, _BAND64, _EXP64)
+        eg, down_g = _row_scales(amax_g, _BAND64, _EXP64)
+        a64 = a64 * _exp2(-ea, torch.float64).view(-1, 1, 1, 1)
+        g64 = g64 * _exp2(-eg, torch.float64).view(-1, 1, 1, 1)
+        scaled = (ea + eg, down_a | down_g)
     a3, g3 = a64.reshape(b * groups, t, d_in), g64.reshape(b * groups, t, d_out)
     aa = torch.bmm(a3, a3.transpose(1, 2))
     gg = torch.bmm(g3, g3.transpose(1, 2))
@@ -321,8 +381,14 @@ def _gram_sq_norms_float64(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tens
     err = (gamma(d_in + 2, torch.float64) + gamma(d_out + 2, torch.float64) + gamma(groups * t * t + 2, torch.float64)) * 1.01
     sq = torch.minimum((p + err * s_sq).clamp_min(0.0), s_sq)
     s = s_group.sum(dim=1) * slack
-    if scale is not None:
-        sq, s = sq * scale, s * scale.sqrt()
+    if scaled is not None:
+        e, down = scaled
+        # entries a scaling down pushed below 2**-1022 are off by at most 2**-1075 each (the
+        # float32 path's argument, scaled entries below 4)
+        delta = groups * t * (d_in + d_out) * 2.0**-1071
+        sq = torch.where(down, sq + (2.0 * s + delta) * delta, sq)
+        s = torch.where(down, s + delta, s)
+        sq, s = _unscale64(sq, 2 * e), _unscale64(s, e)
     return sq, s
 
 
@@ -339,8 +405,46 @@ def output_factor(dtype: torch.dtype) -> float:
     return 1.0 + 4.0 * unit_roundoff(dtype)
 
 
-def _power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
-    """A power of two near ``amax`` (1 for zeros and non-finite values): dividing by it is exact."""
+# Rows (examples) whose largest entry has a binary exponent outside this band (frexp's
+# convention: amax = m 2**e, 0.5 <= m < 1) are rescaled; inside it they are taken as they
+# are. float32: entries below 2**20 keep every float32 Gram product and sum finite for
+# T d_in d_out < 2**48, and entries of at least 2**-21 keep the squares clear of underflow.
+_BAND32 = (-20, 20)
+_BAND64 = (-299, 300)
+# Exponents a row is scaled by, clamped so that 2**-e is a normal number of the dtype (a row
+# of float32 subnormals is scaled up by 2**100 only, to at least 2**-49; float32's largest
+# rows end below 4).
+_EXP32 = (-100, 126)
+_EXP64 = (-1000, 1022)
+
+
+def _row_scales(amax: torch.Tensor, band: tuple[int, int], clamp: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e, down)`` per row: rows are multiplied by ``2**-e`` (``e = 0`` inside ``band``, for
+    zero rows and for non-finite ones), and ``down`` marks the rows scaled down (whose small
+    entries may underflow). Decided on the device: no host synchronisation."""
     _, exponent = torch.frexp(amax)
-    ok = torch.isfinite(amax) & (amax > 0)
-    return torch.where(ok, torch.ldexp(torch.ones_like(amax), exponent.to(amax.dtype)), torch.ones_like(amax))
+    exponent = exponent.to(torch.int32)
+    out = torch.isfinite(amax) & (amax > 0) & ((exponent < band[0]) | (exponent > band[1]))
+    e = torch.where(out, exponent.clamp(*clamp), torch.zeros_like(exponent))
+    return e, e > 0
+
+
+def _exp2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``2**e`` for integer ``e`` in the normal range of ``dtype``, built from its bits (exact on
+    every device, unlike ``pow``)."""
+    if dtype == torch.float32:
+        return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def _unscale64(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``x 2**e`` for float64 ``x >= 0`` and integer ``|e| <= 5000`` (in steps of at most
+    ``2**1000``), rounded up where it underflows (by ``2**-1071``, more than the roundings of
+    the steps together, and absorbed by a normal result); exact zeros stay 0, NaN and inf are
+    kept, and a squared norm beyond float64's range overflows to inf."""
+    y, rest = x, e.to(torch.int64)
+    for _ in range(5):
+        step = rest.clamp(-1000, 1000)
+        y = y * _exp2(step, torch.float64)
+        rest = rest - step
+    return torch.where(x == 0, x, y + 2.0**-1071)

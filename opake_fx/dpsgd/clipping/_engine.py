@@ -309,8 +309,10 @@ def clipped_step(
         finite = torch.isfinite(norms).all(dim=0)
         keep = finite if valid is None else finite & valid[start:start + step].to(finite.device)
         # One host sync in eager code (the common case skips the masking); a traced step or a
-        # padded batch always masks, on the device.
-        none_bad = valid is None and not torch.compiler.is_compiling() and bool(finite.all())
+        # padded batch always masks, on the device. So do the norm-based backends, whose steady
+        # step makes no host synchronisation at all.
+        none_bad = (valid is None and not torch.compiler.is_compiling() and not isinstance(per_ex, PerExampleNorms)
+                    and bool(finite.all()))
         weights = weight_fn(norms * output_factor, bounds.to(norms.device))
         if not none_bad:
             weights = torch.where(keep.unsqueeze(0), weights, torch.zeros_like(weights))
