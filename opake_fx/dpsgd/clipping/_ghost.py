@@ -17,8 +17,8 @@ norms; never a second backward pass.
 
 A rule may also rewrite a call: ``nn.MultiheadAttention`` used as batch-first self- or
 cross-attention is recomputed in its forward hook from its projections, each tapped as a
-Linear; the recomputation replaces the module's output when it reproduces it (checked on
-every call; :mod:`._rules_attention`).
+Linear; the recomputation replaces the module's output when it reproduces it (checked once
+per module and call signature; :mod:`._rules_attention`).
 
 Whatever the rules cannot do exactly goes to an exact fallback, per parameter:
 
@@ -125,7 +125,12 @@ class _NormBackend:
                 out = loss_fn(*run_args, **kwargs)
             losses, loss_aux = _split_loss(out, cfg, batch)
             capture.plan(_leaf_use_counts(losses, capture.index))
-            verify = sorted(capture.fallback)
+            # Whether a leaf's module fallback adds up to its batch gradient is decided once per
+            # call signature (it depends on where the leaf is used, not on the data); until it is,
+            # the batch gradient of the leaf is computed to compare with.
+            verdicts = layout.adds_up
+            verify = sorted(i for i in capture.fallback if i not in verdicts)
+            decided = sorted(i for i in capture.fallback if i in verdicts)
             batch_grads: list[Any] = [None] * len(verify)
             if losses.requires_grad and (capture.uses or verify):
                 with capture.backward():
@@ -147,10 +152,15 @@ class _NormBackend:
             if rule is not None:
                 combined[i] = rule
         per_ex: dict[int, torch.Tensor] = {}
-        for i, check in list(zip(verify, batch_grads)) + [(i, None) for i in sorted(capture.multi) if i not in combined]:
+        for i, check in (list(zip(verify, batch_grads)) + [(i, None) for i in decided]
+                         + [(i, None) for i in sorted(capture.multi) if i not in combined]):
             parts = [rules[id(u)].per_example(n) for u, n in capture.uses_of(i) if rules.get(id(u)) is not None]
             pe = sum(parts[1:], parts[0]) if parts else torch.zeros((batch, *leaves[i].shape), dtype=leaves[i].dtype, device=leaves[i].device)
-            if i in capture.fallback and not _adds_up(pe, check):
+            if i in capture.fallback and i not in verdicts:
+                found = _adds_up(pe, check)
+                if found is not None and batch:  # (a verdict of the real layout, kept for this signature)
+                    verdicts[i] = found
+            if i in capture.fallback and verdicts.get(i, True) is False:
                 capture.whole.add(i)  # used somewhere the module fallback cannot see
                 use, name = capture.uses_of(i)[0]
                 capture.why.setdefault(i, ("used somewhere its module's own call cannot see", use.module, name))
@@ -579,13 +589,15 @@ def _leaf_use_counts(losses: torch.Tensor, index: dict[int, int]) -> dict[int, i
     return counts
 
 
-def _adds_up(pe: torch.Tensor, batch_grad: torch.Tensor | None) -> bool:
-    """Whether per-example gradients sum to the batch gradient (a fallback missed no use)."""
+def _adds_up(pe: torch.Tensor, batch_grad: torch.Tensor | None) -> bool | None:
+    """Whether per-example gradients sum to the batch gradient (a fallback missed no use);
+    None when it cannot be told on this batch (a non-finite batch gradient). Host
+    synchronisations: called once per call signature and leaf (:meth:`_NormBackend.__call__`)."""
     total = pe.sum(dim=0)
     if batch_grad is None:
         return not bool(total.abs().max() > 0) if total.numel() else True
     if not bool(torch.isfinite(batch_grad).all()):
-        return True  # a non-finite example: nothing to compare, its weight will be 0 anyway
+        return None  # a non-finite example: nothing to compare (its weight will be 0); decided later
     ref = batch_grad.to(total.dtype)
     diff = torch.linalg.vector_norm(total - ref)
     return bool(diff <= 1e-4 * (torch.linalg.vector_norm(ref) + torch.linalg.vector_norm(total)) + 1e-30)

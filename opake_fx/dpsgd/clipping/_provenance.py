@@ -67,6 +67,9 @@ class BatchLayout:
     mixing: str | None = None  # an error message, when the model mixes examples
     mixing_checked: bool = False  # False: not yet decided (the exact path runs until it is)
     exact: str | None = None  # why every call of this signature takes the exact path (no templates then)
+    # leaf index -> whether its module fallback adds up to its batch gradient (._ghost; decided
+    # once per signature, on the first batch where it can be told)
+    adds_up: dict[int, bool] = field(default_factory=dict)
 
     def lookup(self, module: nn.Module, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
                batch: int) -> tuple[tuple[bool, ...], tuple[bool, ...]] | None:

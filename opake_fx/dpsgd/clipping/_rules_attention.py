@@ -7,9 +7,10 @@ cross-attention a Linear on the query with its first ``d`` rows and one on the m
 with the other ``2d``, :class:`BlockRows`), the attention itself (no parameters; it mixes
 positions, never examples) and ``out_proj``, each projection tapped like a Linear
 (:mod:`._rules_linear`). The recomputation replaces the module's output only when it
-reproduces it: checked on every call, or, with attention dropout in training (the
-recomputation draws its own masks), once per module and call signature with dropout off
-on both sides. Any other call (need_weights, key is not value, extra key/value biases,
+reproduces it: checked once per module and call signature (masks' kinds, causality,
+shapes, dtype, mode; the first call of each, so that later steps make no host
+synchronisation), on that call's own output, or, with attention dropout in training (the
+recomputation draws its own masks), with dropout off on both sides. Any other call (need_weights, key is not value, extra key/value biases,
 sequence-first) takes the module fallback, and a sequence-first module on a batch-first
 input is refused (it would mix examples).
 
@@ -200,18 +201,22 @@ class AttentionRule(FallbackRule):
         dropout = module.dropout if module.training else 0.0
         if dropout > 0 and not _matches_without_dropout(module, args, kwargs, call, cache):
             return None
+        key = ("same output", *_call_signature(module, call))
+        if dropout == 0 and cache.get(key) is False:
+            return None
         out = _attention_forward(module, call, dropout, tap, names, out_names)
-        if out is None or (dropout == 0 and not _same_output(out, output[0])):
-            return None  # the caller registers the taps only for a replaced output
+        if out is None:
+            return None
+        if dropout == 0 and key not in cache:  # once per module and call signature (host synchronisations)
+            cache[key] = _same_output(out, output[0])
+            if not cache[key]:
+                return None  # the caller registers the taps only for a replaced output
         return out, None
 
 
 def _matches_without_dropout(module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any],
                              call: dict[str, Any], cache: dict[tuple[Any, ...], bool]) -> bool:
-    masks = tuple((name, None if m is None else (m.dtype, m.dim())) for name in ("attn_mask", "key_padding_mask")
-                  for m in [call[name]])
-    signature = (id(module), masks, bool(call["is_causal"]), call["query"] is call["key"],
-                 tuple(call["query"].shape[1:]), tuple(call["key"].shape[1:]))
+    signature = _call_signature(module, call)
     if signature not in cache:
         rate = module.dropout
         try:
@@ -223,6 +228,15 @@ def _matches_without_dropout(module: nn.MultiheadAttention, args: tuple[Any, ...
             module.dropout = rate
         cache[signature] = ours is not None and _same_output(ours, ref)
     return cache[signature]
+
+
+def _call_signature(module: nn.MultiheadAttention, call: dict[str, Any]) -> tuple[Any, ...]:
+    """What a check of the recomputation is kept for: the module, its masks' kinds, causality,
+    self- or cross-attention, the shapes and dtypes (batch size left out) and the mode."""
+    masks = tuple((name, None if m is None else (m.dtype, m.dim())) for name in ("attn_mask", "key_padding_mask")
+                  for m in [call[name]])
+    return (id(module), masks, bool(call["is_causal"]), call["query"] is call["key"],
+            tuple(call["query"].shape[1:]), tuple(call["key"].shape[1:]), call["query"].dtype, module.training)
 
 
 PROJECTION, ATTENTION = ProjectionRule(), AttentionRule()

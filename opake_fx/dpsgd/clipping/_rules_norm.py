@@ -23,7 +23,9 @@ in submodules), and each call is *checked* in its forward hook (:func:`route_aff
   when the plain form does not fit, the offset form ``B(x) = f(x; w=0, b=0)``,
   ``A(x) = f(x; 1, 0) - B(x)`` is tried (one more forward);
 * the call's actual output must equal ``A * w + B + b`` for the actual ``w`` and ``b`` to a
-  few units of rounding of its dtype (every call; elementwise, no extra forward);
+  few units of rounding of its dtype (elementwise, no extra forward; on the first call of
+  each module and call signature, so that later steps make no host synchronisation: a
+  signature whose first call fails keeps the fallback);
 * once per module and call signature (training flag, shapes and dtypes), the same
   identity must hold at a probe ``w``, ``b`` with distinct entries: the actual ``w`` is
   often all ones (the initialisation), at which any function of ``w`` looks linear, and a
@@ -82,6 +84,9 @@ def norm_grad(module: nn.Module, a: torch.Tensor, g: torch.Tensor, names: dict[s
 
 # module -> {call signature: "plain" | "offset" | None (not affine)}: the probe's verdict.
 _PROBED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], str | None]] = weakref.WeakKeyDictionary()
+# Registry of the actual-output checks (one per module and call signature): whether the
+# signature's first call was A(x) * w + B(x) + b at the module's own weight.
+_CALL_CHECKED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], bool]] = weakref.WeakKeyDictionary()
 
 
 def is_candidate(module: nn.Module) -> bool:
@@ -133,7 +138,12 @@ def route_affine(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             a = _sub(ones, offset)
     except _NotAffine as e:
         return _fallback(module, str(e))
-    if not _affine_at(y, a, w, offset, b):
+    # Once per signature, on the first call (later calls make no host synchronisation): a
+    # signature that fails keeps the fallback.
+    checked = _CALL_CHECKED.setdefault(module, {})
+    if sig not in checked:
+        checked[sig] = _affine_at(y, a, w, offset, b)
+    if not checked[sig]:
         return _fallback(module, "this call's output is not A(x) * weight + bias for the A(x) its forward gives at "
                          "weight = 1 (e.g. randomness inside the module)")
     return (a,)
