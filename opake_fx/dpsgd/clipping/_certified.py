@@ -249,7 +249,8 @@ def _gram_sq_norms_float32_scaled(a: torch.Tensor, g: torch.Tensor) -> tuple[tor
     d_out = 3840 at T = 1024, about 1.6e-2 s), so such an example is clipped at most that much
     harder than necessary; an example whose positions do not cancel is never loose (measured
     on random sequences: about 1e-4 of the squared norm). Only an example holding a NaN or an
-    inf gets a non-finite norm (weight 0), as in float64.
+    inf gets a non-finite norm (weight 0), as in float64; an example whose ``a`` or ``g`` is
+    all zeros gets exactly 0.
     """
     b, groups, t = a.shape[0], a.shape[1], a.shape[2]
     d_in, d_out = a.shape[3], g.shape[3]
@@ -264,7 +265,11 @@ def _gram_sq_norms_float32_scaled(a: torch.Tensor, g: torch.Tensor) -> tuple[tor
     sq = torch.where(down, sq + (2.0 * s + delta) * delta, sq)
     s = torch.where(down, s + delta, s)
     e = ea + eg  # in [-200, 252]: 2**e and 2**(2 e) are exact float64 numbers
-    return sq * _exp2(2 * e, torch.float64), s * _exp2(e, torch.float64)
+    sq, s = sq * _exp2(2 * e, torch.float64), s * _exp2(e, torch.float64)
+    # an example whose a or g is all zeros has an exactly zero gradient (the bound's underflow
+    # terms would give it ~1e-43)
+    zero = (amax_a == 0) | (amax_g == 0)
+    return torch.where(zero, 0.0, sq), torch.where(zero, 0.0, s)
 
 
 def _row_sq_upper32(fl: torch.Tensor, d: int) -> torch.Tensor:
