@@ -30,6 +30,7 @@ summation order, which is all a compiler may change. Padding changes no accounti
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -117,8 +118,7 @@ class CompiledStep:
         self.mode = mode
         self.graphs_compiled = 0
         self.sizes: set[int] = set()
-        self._lock = threading.Lock()
-        self._compiled = torch.compile(self._step, backend=self._backend(mode))
+        self._compiled = torch.compile(self._step, backend=_counting_backend(mode))
 
     def init(self, params: Any) -> Any:
         """The pipeline's initial state."""
@@ -144,7 +144,17 @@ class CompiledStep:
         for leaf in optree.tree_leaves(batch_t, namespace=NAMESPACE):
             torch._dynamo.mark_static(leaf, 0)  # one graph per (bucket) size, never a symbolic batch
         self.sizes.add(optree.tree_leaves(batch_t, namespace=NAMESPACE)[0].shape[0])
-        return self._compiled(params, state, batch_t, mask)
+        # Dynamo keeps its graphs per code object, and every compiled step shares the
+        # pipeline's code objects (stage.update, the optimizer's update): past its recompile
+        # limit (8 by default) it would run this step eagerly, silently. A step's own graphs
+        # are few and bounded (buckets), so the limit is lifted for its calls only.
+        previous, _ACTIVE.step = getattr(_ACTIVE, "step", None), self
+        try:
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
+                                            accumulated_recompile_limit=_RECOMPILE_LIMIT * 4):
+                return self._compiled(params, state, batch_t, mask)
+        finally:
+            _ACTIVE.step = previous
 
     def explain(self, params: Any, state: Any, batch: Any) -> Any:
         """What ``torch.compile`` makes of one step on ``batch`` (``torch._dynamo.explain``'s report).
@@ -174,19 +184,31 @@ class CompiledStep:
             updates, state = self.pipeline.update(batch, state, params, example_mask=example_mask)
         return apply_updates(params, updates), state
 
-    def _backend(self, mode: str | None) -> Callable[..., Any]:
-        """Inductor (with ``mode``'s options), counting the graphs it compiles."""
-        from torch._inductor import list_mode_options
-        from torch._inductor.compile_fx import compile_fx
 
-        patches = list_mode_options(mode) if mode not in (None, "default") else {}
+_RECOMPILE_LIMIT = 1024
+_ACTIVE = threading.local()  # the CompiledStep whose call is compiling (counts its graphs)
 
-        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-            with self._lock:
-                self.graphs_compiled += 1
-            return compile_fx(gm, example_inputs, config_patches=patches)
 
-        return backend
+@functools.cache
+def _counting_backend(mode: str | None) -> Callable[..., Any]:
+    """Inductor with ``mode``'s options, counting each graph for the step being called.
+
+    One backend per mode for the whole process: dynamo checks that the cached graphs of
+    a code object came from the same backend callable, so a backend per step would make
+    every step built later invalidate (and recompile) the others'.
+    """
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = list_mode_options(mode) if mode not in (None, "default") else {}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        step = getattr(_ACTIVE, "step", None)
+        if step is not None:
+            step.graphs_compiled += 1
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    return backend
 
 
 def _check_fixed_clip_norm(pipeline: Transform) -> None:

@@ -225,3 +225,18 @@ def test_adaptive_clipping_is_refused_with_the_fix():
                   clipping_mode="adaptive")
     with pytest.raises(InputValueError, match="every step would compile again"):
         plan.compiled_step(loss, sgd(0.1), key=key(1), count_key=key(2))
+
+
+@pytest.mark.slow
+def test_many_compiled_steps_in_one_process_each_compile():
+    """Dynamo caches graphs per code object and, past its recompile limit (8), silently
+    runs the function eagerly. Every compiled step shares the pipeline's code objects, so
+    the ninth step built in a process (a notebook, a sweep) used to run uncompiled."""
+    fmodel, params, loss = _mlp()
+    (x, y), = _batches([8])
+    for i in range(11):
+        pipe = chain(clip(loss, clipping_norm=1.0 + i, batch_argnums=(1, 2)), noise(noise_multiplier=1.0, key=key(i)),
+                     sgd(0.1))
+        step = compile_step(pipe)
+        step(params, step.init(params), (x, y))
+        assert step.graphs_compiled > 0, f"compiled step {i} ran eagerly"
