@@ -16,6 +16,11 @@ What is traced and what is not:
   eager pipeline's for the same key and step. Counters (steps of the noise, clip and
   optimizer states) are Python ints: the first step compiles them as constants, the
   second once more as symbols, and from then on they never recompile.
+* ``clip_backend="auto"`` traces the whole-loss ``vmap`` path (no hooks) when the
+  per-example gradients are small (``batch * parameters <= 2**25`` elements, where the
+  fused path measured 1.2x-1.8x faster than the eager rules); above that its layer rules
+  run eagerly, as one opaque call between graphs (module hooks and autograd taps do not
+  trace). ``"ghost"`` always runs its rules eagerly.
 * Batch shapes are static: with ``buckets``, each batch is padded up to a bucket size
   (:mod:`opake_fx.padding`) and the padding rows are masked out of the clip stage
   (weight 0: exactly zero contribution), so a Poisson run compiles once per bucket it
@@ -147,10 +152,14 @@ class CompiledStep:
         # Dynamo keeps its graphs per code object, and every compiled step shares the
         # pipeline's code objects (stage.update, the optimizer's update): past its recompile
         # limit (8 by default) it would run this step eagerly, silently. A step's own graphs
-        # are few and bounded (buckets), so the limit is lifted for its calls only.
+        # are few and bounded (buckets), so the limit is lifted for its calls only. Floats are
+        # specialized: they are fixed within a step (clip norm, learning rate; a clip norm that
+        # moves is refused), and dynamo's automatic dynamic shapes would otherwise turn one that
+        # differs between two steps of a process (a sweep) into a tensor read back with .item()
+        # every step.
         previous, _ACTIVE.step = getattr(_ACTIVE, "step", None), self
         try:
-            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, specialize_float=True,
                                             accumulated_recompile_limit=_RECOMPILE_LIMIT * 4):
                 return self._compiled(params, state, batch_t, mask)
         finally:

@@ -147,7 +147,7 @@ def sgd(
 
     def update(grads: Any, state: SgdState, params: Any = None, **extra: Any) -> tuple[Any, SgdState]:
         _check_state(state, SgdState, "sgd")
-        lr = _lr_at(learning_rate, state.count, "sgd")
+        lr = _lr_at(learning_rate, state.count, "sgd", like=grads)
         g_leaves, spec, _ = _flatten(grads, "sgd")
         if weight_decay != 0.0:
             p_leaves = _param_leaves(params, spec, "sgd", "weight_decay")
@@ -312,7 +312,7 @@ def _adam(
 
     def update(grads: Any, state: AdamState, params: Any = None, **extra: Any) -> tuple[Any, AdamState]:
         _check_state(state, AdamState, name)
-        lr = _lr_at(learning_rate, state.count, name)
+        lr = _lr_at(learning_rate, state.count, name, like=grads)
         squares = None  # the private second moment's noised squared gradients, leaf by leaf
         if isinstance(grads, SecondMomentNoiseOutput):
             if dp_bias_correction is not None:
@@ -455,9 +455,30 @@ def _check_lr(lr: Any, where: str) -> None:
     check.non_negative(lr, "learning_rate", where)
 
 
-def _lr_at(lr: ScalarOrSchedule, count: int, where: str) -> float:
+def _lr_at(lr: ScalarOrSchedule, count: int, where: str, like: Any = None) -> float | torch.Tensor:
+    """The learning rate at ``count``: a float, or inside a compiled step a scheduled one as a
+    0-d tensor on ``like``'s device, computed outside the graph. A schedule traced with a
+    symbolic step would specialize on each step's value (``float``, range checks, the
+    schedule's own branches) and recompile every step."""
     if not callable(lr):
         return float(lr)
+    if torch.compiler.is_compiling():
+        return _scheduled_lr_tensor(lr, count, where, _first_leaf(like)).reshape(())
+    return _scheduled_lr(lr, count, where)
+
+
+@torch.compiler.disable
+def _scheduled_lr_tensor(lr: Callable[[int], Any], count: int, where: str, like: torch.Tensor | None) -> torch.Tensor:
+    device = like.device if isinstance(like, torch.Tensor) else None
+    return torch.tensor([_scheduled_lr(lr, count, where)], dtype=torch.float64, device=device)
+
+
+def _first_leaf(tree: Any) -> torch.Tensor | None:
+    found = optree.tree_leaves(unwrap(tree), namespace=NAMESPACE) if tree is not None else []
+    return found[0] if found and isinstance(found[0], torch.Tensor) else None
+
+
+def _scheduled_lr(lr: Callable[[int], Any], count: int, where: str) -> float:
     value = lr(count)
     try:
         value = float(value)

@@ -24,8 +24,9 @@ from opake_fx.functional import make_functional
 from opake_fx.optimizers import adam, sgd
 from opake_fx.padding import geometric_buckets
 from opake_fx.plan import DPPlan
-from opake_fx.pytree import leaves
+from opake_fx.pytree import leaves, zeros_like
 from opake_fx.random import key
+from opake_fx.scheduling import cosine
 from opake_fx.transforms import apply_updates, chain, stateless
 
 D, K = 12, 4
@@ -140,26 +141,33 @@ def test_poisson_run_compiles_once_per_bucket():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["vmap", "auto"])
 @pytest.mark.parametrize("scale", [1e30, 1e-30, 1e-41, 1.0])
-def test_certified_norms_bound_the_contribution_when_compiled(scale):
+def test_certified_norms_bound_the_contribution_when_compiled(scale, backend):
     """One crafted example at a time (the rest padding): its compiled contribution is <= C."""
     d = 4096
     g = torch.Generator().manual_seed(5)
-    params = {"w": torch.zeros(d)}
     c = 0.75
+    lin = nn.Linear(d, 1, bias=False)
+    fmodel, params = make_functional(lin)
+    params = zeros_like(params)
+    if backend == "vmap":
+        def loss(p, x):  # gradient = x: the attacker writes its gradient directly
+            return fmodel(p, x.unsqueeze(0)).sum()
+    else:
+        def loss(p, x):
+            return fmodel(p, x)[:, 0]
 
-    def loss(p, x):  # gradient = x: the attacker writes its gradient directly
-        return (p["w"] * x).sum()
-
-    step = compile_step(chain(clip(loss, clipping_norm=c, batch_argnums=1, normalize_by=1.0),
-                              noise(noise_multiplier=0.0, key=key(0)), sgd(1.0)), buckets=(4,))
+    stage = clip(loss, clipping_norm=c, batch_argnums=1, normalize_by=1.0, clip_backend=backend,
+                 model=fmodel if backend == "auto" else None)
+    step = compile_step(chain(stage, noise(noise_multiplier=0.0, key=key(0)), sgd(1.0)), buckets=(4,))
     for trial in range(6):
         x = torch.randn(1, d, generator=g) * scale
         if trial % 2:  # one huge coordinate among tiny ones, at the clip boundary's scale
             x = x * 1e-6
             x[0, trial] = c * (1 + 2.0**-23) * (1 if scale >= 1 else scale)
         p, _ = step(params, step.init(params), (x,))
-        norm = float(torch.linalg.vector_norm(p["w"].double()))
+        norm = float(torch.linalg.vector_norm(leaves(p)[0].double()))
         assert norm <= c, (scale, trial, norm)
 
 
@@ -240,3 +248,110 @@ def test_many_compiled_steps_in_one_process_each_compile():
         step = compile_step(pipe)
         step(params, step.init(params), (x, y))
         assert step.graphs_compiled > 0, f"compiled step {i} ran eagerly"
+
+
+def _count_rule_calls(monkeypatch) -> list[int]:
+    from opake_fx.dpsgd.clipping import _ghost
+
+    calls = [0]
+    original = _ghost._NormBackend.__call__
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(_ghost._NormBackend, "__call__", counted)
+    return calls
+
+
+def test_compiled_auto_traces_the_whole_loss_path_on_a_small_model(monkeypatch):
+    """Per-example gradients of B * P <= 2**25 elements: "auto" inside a compiled step runs the
+    traced whole-loss vmap path (never the eager rules), equal to the eager "auto" step."""
+    calls = _count_rule_calls(monkeypatch)
+    torch.manual_seed(0)
+    fmodel, params = make_functional(nn.Sequential(nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, K)))
+
+    def loss(p, x, y):
+        return F.cross_entropy(fmodel(p, x), y, reduction="none")
+
+    plan = DPPlan(dataset_size=500, batch_size=16, steps=20, noise_multiplier=1.0, clipping_norm=0.5,
+                  clip_backend="auto")
+    step = plan.compiled_step(loss, adam(1e-2), key=key(7), buckets=(16,), model=fmodel)
+    eager = plan.pipeline(loss, adam(1e-2), key=key(7), model=fmodel)
+    p_c, s_c = params, step.init(params)
+    p_e, s_e = params, eager.init(params)
+    for x, y in _batches([16, 13, 15, 11] * 3):
+        p_c, s_c = step(p_c, s_c, (x, y))
+        calls_compiled = calls[0]
+        u, s_e = eager.update((x, y), s_e, p_e)
+        p_e = apply_updates(p_e, u)
+        assert calls[0] == calls_compiled + 1  # the eager step used the rules, the compiled one did not
+    assert _max_rel(p_c, p_e) < 1e-6
+    x, y = _batches([14], seed=9)[0]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(p_c, s_c, (x, y))
+    assert sum(e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense") == 0
+
+
+@pytest.mark.slow
+def test_compiled_auto_keeps_the_eager_rules_above_the_size_threshold(monkeypatch):
+    from opake_fx.dpsgd.clipping import _ghost
+
+    calls = _count_rule_calls(monkeypatch)
+    monkeypatch.setattr(_ghost, "TRACED_WHOLE_LOSS_MAX_ELEMENTS", 16 * 100)  # below this model's B * P
+    torch.manual_seed(0)
+    fmodel, params = make_functional(nn.Sequential(nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, K)))
+
+    def loss(p, x, y):
+        return F.cross_entropy(fmodel(p, x), y, reduction="none")
+
+    plan = DPPlan(dataset_size=500, batch_size=16, steps=20, noise_multiplier=1.0, clipping_norm=0.5,
+                  clip_backend="auto")
+    step = plan.compiled_step(loss, sgd(0.1), key=key(7), buckets=(16,), model=fmodel)
+    eager = plan.pipeline(loss, sgd(0.1), key=key(7), model=fmodel)
+    p_c, s_c = params, step.init(params)
+    p_e, s_e = params, eager.init(params)
+    for x, y in _batches([16, 12, 15]):
+        before = calls[0]
+        p_c, s_c = step(p_c, s_c, (x, y))
+        assert calls[0] == before + 1  # the rules ran (eagerly, inside the compiled step)
+        u, s_e = eager.update((x, y), s_e, p_e)
+        p_e = apply_updates(p_e, u)
+    assert _max_rel(p_c, p_e) < 1e-6
+
+
+def test_a_sweep_over_clip_norms_keeps_the_steady_step_free_of_host_syncs():
+    """Steps built in one process share code objects; dynamo's automatic dynamic shapes would
+    turn a float that differs between them (the clip norm of a sweep) into a 0-d tensor read
+    back with .item() every step. compile_step specializes floats (they are fixed per step)."""
+    fmodel, params, loss = _mlp()
+    (x, y), = _batches([8])
+    for c in (1.0, 2.0, 3.0):
+        pipe = chain(clip(loss, clipping_norm=c, batch_argnums=(1, 2)), noise(noise_multiplier=1.0, key=key(0)),
+                     sgd(0.1))
+        step = compile_step(pipe)
+        p, s = params, step.init(params)
+        for _ in range(3):
+            p, s = step(p, s, (x, y))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step(p, s, (x, y))
+        assert sum(e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense") == 0, c
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make_opt", [lambda: sgd(cosine(0.1, 50)), lambda: adam(cosine(0.01, 50))], ids=["sgd", "adam"])
+def test_a_learning_rate_schedule_does_not_recompile_every_step(make_opt):
+    """A schedule traced with a symbolic step specialized on each step's value: one more graph
+    per step (and, past the recompile limit, silently eager). It is evaluated outside the graph."""
+    fmodel, params, loss = _mlp()
+    pipe = lambda: chain(clip(loss, clipping_norm=1.0, batch_argnums=(1, 2)), noise(noise_multiplier=1.0, key=key(0)),
+                         make_opt())
+    step, eager = compile_step(pipe()), pipe()
+    p_c, s_c = params, step.init(params)
+    p_e, s_e = params, eager.init(params)
+    for x, y in _batches([8] * 14):
+        p_c, s_c = step(p_c, s_c, (x, y))
+        u, s_e = eager.update((x, y), s_e, p_e)
+        p_e = apply_updates(p_e, u)
+    assert step.graphs_compiled <= 8, step.graphs_compiled
+    assert _max_rel(p_c, p_e) < 1e-6

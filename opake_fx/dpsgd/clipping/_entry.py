@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from opake_fx.dpsgd.clipping._engine import ClipConfig, StepResult, WeightFn, clipped_step, make_config, package
-from opake_fx.dpsgd.clipping._ghost import ClipBackend, make_backend
+from opake_fx.dpsgd.clipping._ghost import ClipBackend, make_backend, traced_whole_loss_pays, whole_loss_backend
 from opake_fx.dpsgd.clipping.types import check_state
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.functional import FunctionalModel
@@ -102,13 +102,17 @@ def make_grad_fn(loss_fn: Callable[..., Any], mode: ClipMode, options: ClipOptio
     # torch.compile cannot trace (a traced probe also fails under compiled autograd, which would
     # send every layer to the whole-loss fallback): inside a compiled step they run eagerly, as
     # one opaque call between graphs (opake_fx.compiled says so).
+    # "auto" traces instead the whole-loss vmap path (no hooks) where that is the cheaper one.
     step = clipped_step if options.clip_backend == "vmap" else torch.compiler.disable(clipped_step)
 
     def grad_fn(*args: Any, state: Any = None, example_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
         check_state(state, mode.state_type, mode.maker)
         norm = mode.clipping_norm(state)
-        result = step(loss_fn, args, kwargs, cfg, clipping_norm=norm, weight_fn=mode.weights, backend=backend,
-                              plans=plans, example_mask=example_mask)
+        run, run_backend = step, backend
+        if options.clip_backend == "auto" and torch.compiler.is_compiling() and traced_whole_loss_pays(args, cfg):
+            run, run_backend = clipped_step, whole_loss_backend
+        result = run(loss_fn, args, kwargs, cfg, clipping_norm=norm, weight_fn=mode.weights, backend=run_backend,
+                     plans=plans, example_mask=example_mask)
         return package(result, cfg, norm, mode.advance(state, result))
 
     return grad_fn

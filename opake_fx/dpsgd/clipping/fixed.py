@@ -74,7 +74,10 @@ def clipped_grad(
             against 210 ms for ``vmap`` and 175 ms non-private), so every parameter
             takes the exact whole-loss path, ``vmap`` of the batched ``loss_fn`` over
             single examples (decided once per signature, by the parameters' device
-            type); ``"ghost"`` still forces the rules on any device.
+            type); ``"ghost"`` still forces the rules on any device. Inside a compiled
+            step (:func:`opake_fx.compiled.compile_step`) ``"auto"`` traces that same
+            whole-loss path when ``batch * parameters <= 2**25`` (the fused path is the
+            faster there) and runs the rules eagerly otherwise.
         model: the :class:`~opake_fx.functional.FunctionalModel` (or ``nn.Module``)
             that ``loss_fn`` calls; its modules are hooked during the call. Only used
             by ``"ghost"`` / ``"auto"``.
