@@ -16,11 +16,11 @@ What is traced and what is not:
   eager pipeline's for the same key and step. Counters (steps of the noise, clip and
   optimizer states) are Python ints: the first step compiles them as constants, the
   second once more as symbols, and from then on they never recompile.
-* ``clip_backend="auto"`` traces the whole-loss ``vmap`` path (no hooks) when the
-  per-example gradients are small (``batch * parameters <= 2**25`` elements, where the
-  fused path measured 1.2x-1.8x faster than the eager rules); above that its layer rules
-  run eagerly, as one opaque call between graphs (module hooks and autograd taps do not
-  trace). ``"ghost"`` always runs its rules eagerly.
+* ``clip_backend="auto"`` traces the whole-loss ``vmap`` path (no hooks) where it measured
+  faster than the eager rules: batches of at most 64 examples whose per-example gradients
+  hold at most ``2**25`` elements (on CUDA, any batch within that memory bound). Elsewhere
+  its layer rules run eagerly, as one opaque call between graphs (module hooks and autograd
+  taps do not trace). ``"ghost"`` always runs its rules eagerly.
 * Batch shapes are static: with ``buckets``, each batch is padded up to a bucket size
   (:mod:`opake_fx.padding`) and the padding rows are masked out of the clip stage
   (weight 0: exactly zero contribution), so a Poisson run compiles once per bucket it

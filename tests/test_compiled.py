@@ -294,11 +294,13 @@ def test_compiled_auto_traces_the_whole_loss_path_on_a_small_model(monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_auto_keeps_the_eager_rules_above_the_size_threshold(monkeypatch):
+@pytest.mark.parametrize("limit", [("TRACED_WHOLE_LOSS_MAX_ELEMENTS", 16 * 100), ("TRACED_WHOLE_LOSS_MAX_BATCH", 15)],
+                         ids=["elements", "batch"])
+def test_compiled_auto_keeps_the_eager_rules_above_the_thresholds(monkeypatch, limit):
     from opake_fx.dpsgd.clipping import _ghost
 
     calls = _count_rule_calls(monkeypatch)
-    monkeypatch.setattr(_ghost, "TRACED_WHOLE_LOSS_MAX_ELEMENTS", 16 * 100)  # below this model's B * P
+    monkeypatch.setattr(_ghost, *limit)  # below this model's B * P, or below its batch of 16
     torch.manual_seed(0)
     fmodel, params = make_functional(nn.Sequential(nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, K)))
 

@@ -651,25 +651,32 @@ def rules_pay_off(device: torch.device) -> bool:
 
 
 # In a compiled step, ``"auto"`` traces the whole-loss ``vmap`` path (inductor fuses the
-# per-example gradients, norms and weighted sum) when the per-example gradients hold at most
-# this many elements, and runs the layer rules eagerly otherwise. Measured on 2 CPU threads
-# (benchmarks/clipping.py): the traced path took 0.83 / 14.1 / 52.0 ms against the eager
-# rules' 1.49 / 17.5 / 65.5 ms for B*P = 0.09M (MLP), 1.3M (CNN), 10.6M (LM), and 815 ms
-# against 13.7 ms for the embedding bag's 328M.
+# per-example gradients, norms and weighted sum) where that measured faster than running the
+# layer rules eagerly, and bounds the memory of its per-example gradients. Measured on 2 CPU
+# threads (benchmarks/clipping.py, one run; traced vs eager rules, ms): mlp-64 0.72 vs 1.06,
+# cnn-64 13.8 vs 14.2, lm-16 41.2 vs 53.2 (small batches: the rules' fixed per-step cost
+# dominates and the graph removes it); mlp-1024 4.67 vs 1.47, cnn-256 52.6 vs 45.8 (large
+# batches: per-example gradients cost more than the rules); embedding bag at batch 256 (328M
+# per-example gradient elements) 843 vs 13 ms.
 TRACED_WHOLE_LOSS_MAX_ELEMENTS = 2**25
+TRACED_WHOLE_LOSS_MAX_BATCH = 64
 
 
 def traced_whole_loss_pays(args: tuple[Any, ...], cfg: ClipConfig) -> bool:
     """Whether ``clip_backend="auto"`` inside a compiled step takes the traced whole-loss path.
 
-    Decided from static facts only (the batch size and the differentiated tensors' sizes), so
-    dynamo guards on it and never re-decides within a shape: ``batch * sum(numel)`` per-example
-    gradient elements at most :data:`TRACED_WHOLE_LOSS_MAX_ELEMENTS`. Both paths are exact and
-    certified; this picks the faster one and bounds the memory the per-example gradients take.
+    Decided from static facts only (batch size, the differentiated tensors' sizes and device),
+    so dynamo guards on it and never re-decides within a shape: ``batch * sum(numel)``
+    per-example gradient elements at most :data:`TRACED_WHOLE_LOSS_MAX_ELEMENTS`, and a batch
+    of at most :data:`TRACED_WHOLE_LOSS_MAX_BATCH` examples (where the rules do not pay off on
+    the device, as on CUDA, any batch). Both paths are exact and certified; this picks the
+    faster one by the measurements above.
     """
     batch = batch_size_of(args, cfg)
     flat = optree.tree_leaves(_diff_tree(args, cfg), namespace=NAMESPACE)
-    return batch > 0 and bool(flat) and batch * sum(x.numel() for x in flat) <= TRACED_WHOLE_LOSS_MAX_ELEMENTS
+    if not batch or not flat or batch * sum(x.numel() for x in flat) > TRACED_WHOLE_LOSS_MAX_ELEMENTS:
+        return False
+    return batch <= TRACED_WHOLE_LOSS_MAX_BATCH or not rules_pay_off(flat[0].device)
 
 
 def whole_loss_backend(loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],

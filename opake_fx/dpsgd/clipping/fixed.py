@@ -76,8 +76,9 @@ def clipped_grad(
             single examples (decided once per signature, by the parameters' device
             type); ``"ghost"`` still forces the rules on any device. Inside a compiled
             step (:func:`opake_fx.compiled.compile_step`) ``"auto"`` traces that same
-            whole-loss path when ``batch * parameters <= 2**25`` (the fused path is the
-            faster there) and runs the rules eagerly otherwise.
+            whole-loss path for batches of at most 64 examples with at most ``2**25``
+            per-example gradient elements (where the fused path measured faster) and runs
+            the rules eagerly otherwise.
         model: the :class:`~opake_fx.functional.FunctionalModel` (or ``nn.Module``)
             that ``loss_fn`` calls; its modules are hooked during the call. Only used
             by ``"ghost"`` / ``"auto"``.
