@@ -264,10 +264,8 @@ def _count_rule_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def test_compiled_auto_traces_the_whole_loss_path_on_a_small_model(monkeypatch):
-    """Per-example gradients of B * P <= 2**25 elements: "auto" inside a compiled step runs the
-    traced whole-loss vmap path (never the eager rules), equal to the eager "auto" step."""
-    calls = _count_rule_calls(monkeypatch)
+def _auto_steps(optimizer):
+    """A compiled and an eager "auto" step (same plan and keys) on a small MLP, and its params."""
     torch.manual_seed(0)
     fmodel, params = make_functional(nn.Sequential(nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, K)))
 
@@ -276,8 +274,15 @@ def test_compiled_auto_traces_the_whole_loss_path_on_a_small_model(monkeypatch):
 
     plan = DPPlan(dataset_size=500, batch_size=16, steps=20, noise_multiplier=1.0, clipping_norm=0.5,
                   clip_backend="auto")
-    step = plan.compiled_step(loss, adam(1e-2), key=key(7), buckets=(16,), model=fmodel)
-    eager = plan.pipeline(loss, adam(1e-2), key=key(7), model=fmodel)
+    return (plan.compiled_step(loss, optimizer, key=key(7), buckets=(16,), model=fmodel),
+            plan.pipeline(loss, optimizer, key=key(7), model=fmodel), params)
+
+
+def test_compiled_auto_traces_the_whole_loss_path_on_a_small_model(monkeypatch):
+    """Per-example gradients of B * P <= 2**25 elements: "auto" inside a compiled step runs the
+    traced whole-loss vmap path (never the eager rules), equal to the eager "auto" step."""
+    calls = _count_rule_calls(monkeypatch)
+    step, eager, params = _auto_steps(adam(1e-2))
     p_c, s_c = params, step.init(params)
     p_e, s_e = params, eager.init(params)
     for x, y in _batches([16, 13, 15, 11] * 3):
@@ -301,16 +306,7 @@ def test_compiled_auto_keeps_the_eager_rules_above_the_thresholds(monkeypatch, l
 
     calls = _count_rule_calls(monkeypatch)
     monkeypatch.setattr(_ghost, *limit)  # below this model's B * P, or below its batch of 16
-    torch.manual_seed(0)
-    fmodel, params = make_functional(nn.Sequential(nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, K)))
-
-    def loss(p, x, y):
-        return F.cross_entropy(fmodel(p, x), y, reduction="none")
-
-    plan = DPPlan(dataset_size=500, batch_size=16, steps=20, noise_multiplier=1.0, clipping_norm=0.5,
-                  clip_backend="auto")
-    step = plan.compiled_step(loss, sgd(0.1), key=key(7), buckets=(16,), model=fmodel)
-    eager = plan.pipeline(loss, sgd(0.1), key=key(7), model=fmodel)
+    step, eager, params = _auto_steps(sgd(0.1))
     p_c, s_c = params, step.init(params)
     p_e, s_e = params, eager.init(params)
     for x, y in _batches([16, 12, 15]):
