@@ -463,14 +463,14 @@ def _lr_at(lr: ScalarOrSchedule, count: int, where: str, like: Any = None) -> fl
     if not callable(lr):
         return float(lr)
     if torch.compiler.is_compiling():
-        return _scheduled_lr_tensor(lr, count, where, _first_leaf(like)).reshape(())
+        return _scheduled_lr_tensor(lr, count, where, _first_leaf(like))
     return _scheduled_lr(lr, count, where)
 
 
 @torch.compiler.disable
 def _scheduled_lr_tensor(lr: Callable[[int], Any], count: int, where: str, like: torch.Tensor | None) -> torch.Tensor:
     device = like.device if isinstance(like, torch.Tensor) else None
-    return torch.tensor([_scheduled_lr(lr, count, where)], dtype=torch.float64, device=device)
+    return torch.tensor(_scheduled_lr(lr, count, where), dtype=torch.float64, device=device)
 
 
 def _first_leaf(tree: Any) -> torch.Tensor | None:
