@@ -78,6 +78,8 @@ __all__ = ["SgdState", "AdamState", "sgd", "adam", "adamw"]
 # wrong value (InputValueError), not a wrong type.
 ScalarOrSchedule = Real | Callable[[int], float]
 BiasCorrection = Real | str | None
+# A pytree of bools shaped like the parameters, or a callable params -> such a pytree (optax's ``mask``).
+DecayMask = Any
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,8 @@ def sgd(
     momentum: Real = 0.0,
     nesterov: bool = False,
     weight_decay: Real = 0.0,
+    *,
+    mask: DecayMask = None,
 ) -> Transform:
     """Stochastic gradient descent with optional (Nesterov) momentum and L2 weight decay.
 
@@ -118,6 +122,8 @@ def sgd(
         momentum: momentum factor >= 0 (0 disables the buffers).
         nesterov: use Nesterov momentum (needs ``momentum > 0``).
         weight_decay: L2 penalty added to the gradient; needs ``params`` in ``update``.
+        mask: which parameters ``weight_decay`` applies to (see :func:`adamw`); ``None``:
+            all of them.
 
     Privacy: post-processing of the gradient it is given.
 
@@ -151,7 +157,8 @@ def sgd(
         g_leaves, spec, _ = _flatten(grads, "sgd")
         if weight_decay != 0.0:
             p_leaves = _param_leaves(params, spec, "sgd", "weight_decay")
-            g_leaves = [g + weight_decay * p for g, p in zip(g_leaves, p_leaves)]
+            decayed = _decay_mask(mask, params, spec, "sgd")
+            g_leaves = [g + weight_decay * p if d else g for g, p, d in zip(g_leaves, p_leaves, decayed)]
         new_buf = None
         if momentum != 0.0:
             b_leaves = _state_leaves(state.momentum, spec, "sgd", "momentum")
@@ -176,6 +183,7 @@ def adam(
     *,
     dp_bias_correction: BiasCorrection = None,
     dp_bias_correction_gamma: Real = 1e-8,
+    mask: DecayMask = None,
 ) -> Transform:
     """Adam (Kingma & Ba 2015) with optional L2 weight decay and DP bias correction.
 
@@ -194,6 +202,8 @@ def adam(
         b1, b2: moment decay rates in ``[0, 1)``.
         eps: added to ``sqrt(v_hat)`` (unused with bias correction, as in the paper).
         weight_decay: L2 penalty added to the gradient; needs ``params`` in ``update``.
+        mask: which parameters ``weight_decay`` applies to (see :func:`adamw`); ``None``:
+            all of them.
         dp_bias_correction: ``None`` (default) for plain Adam. Otherwise the noise
             variance ``Phi`` per coordinate to subtract from ``v_hat``:
 
@@ -235,7 +245,7 @@ def adam(
         >>> [round(u, 6) for u in updates[0].tolist()]  # Adam's first step: -lr * sign(g)
         [-0.001, 0.001]
     """
-    return _adam("adam", learning_rate, b1, b2, eps, weight_decay, False, dp_bias_correction, dp_bias_correction_gamma)
+    return _adam("adam", learning_rate, b1, b2, eps, weight_decay, False, dp_bias_correction, dp_bias_correction_gamma, mask)
 
 
 @typechecked
@@ -248,6 +258,7 @@ def adamw(
     *,
     dp_bias_correction: BiasCorrection = None,
     dp_bias_correction_gamma: Real = 1e-8,
+    mask: DecayMask = None,
 ) -> Transform:
     """Adam with decoupled weight decay (Loshchilov & Hutter 2019), as ``torch.optim.AdamW``.
 
@@ -256,8 +267,15 @@ def adamw(
     is torch's ``1e-2``; ``params`` must be passed to ``update`` when it is nonzero.
     Arguments are those of :func:`adam` (including ``dp_bias_correction``).
 
-    Privacy: post-processing of the gradient it is given; the decay depends on the
-    parameters only.
+    ``mask`` (optax's): which parameters are decayed. A pytree of bools with the
+    parameters' structure (``True``: decayed), or a callable ``params ->`` such a pytree,
+    called at each update; ``None`` (default) decays every parameter. A masked-out
+    parameter gets the plain Adam update, as a parameter in a ``weight_decay=0`` group of
+    ``torch.optim.AdamW`` (Hugging Face's Trainer exempts biases and LayerNorm weights
+    this way). A mask of another structure is an error.
+
+    Privacy: post-processing of the gradient it is given; the decay (masked or not)
+    depends on the parameters only, never on the data, so it changes no guarantee.
 
     Example:
         >>> import torch
@@ -266,8 +284,13 @@ def adamw(
         >>> updates, _ = opt.update([torch.zeros(2)], opt.init(params), params)
         >>> updates[0].tolist()
         [-0.05000000074505806, -0.05000000074505806]
+        >>> params = {"w": torch.ones(2), "bias": torch.ones(2)}
+        >>> opt = adamw(0.1, weight_decay=0.5, mask=lambda p: {k: k != "bias" for k in p})
+        >>> updates, _ = opt.update({"w": torch.zeros(2), "bias": torch.zeros(2)}, opt.init(params), params)
+        >>> updates["w"].tolist(), updates["bias"].abs().tolist()  # zero gradients: only "w" decays
+        ([-0.05000000074505806, -0.05000000074505806], [0.0, 0.0])
     """
-    return _adam("adamw", learning_rate, b1, b2, eps, weight_decay, True, dp_bias_correction, dp_bias_correction_gamma)
+    return _adam("adamw", learning_rate, b1, b2, eps, weight_decay, True, dp_bias_correction, dp_bias_correction_gamma, mask)
 
 
 # --- private helpers ---------------------------------------------------------------
@@ -283,6 +306,7 @@ def _adam(
     decoupled: bool,
     dp_bias_correction: BiasCorrection,
     gamma: float,
+    mask: DecayMask = None,
 ) -> Transform:
     _check_lr(learning_rate, name)
     b1 = check.interval(b1, "b1", name, 0.0, 1.0, high_open=True)
@@ -328,14 +352,17 @@ def _adam(
             raise InputValueError(f"{name}: the squared-gradient stream's structure {sq_spec} differs from the gradient's {spec}.")
         phis = None if dp_bias_correction is None else _noise_variances(grads, paths, dp_bias_correction, name)
         p_leaves = None
+        decayed = [False] * len(g_leaves)
         if weight_decay != 0.0:
             p_leaves = _param_leaves(params, spec, name, "weight_decay")
+            decayed = _decay_mask(mask, params, spec, name)
             if not decoupled:
                 if squares is not None:  # the squares of g + wd * p, from the two private streams
                     squares = [
-                        s + 2.0 * weight_decay * p * g + (weight_decay * p) ** 2 for s, g, p in zip(squares, g_leaves, p_leaves)
+                        s + 2.0 * weight_decay * p * g + (weight_decay * p) ** 2 if d else s
+                        for s, g, p, d in zip(squares, g_leaves, p_leaves, decayed)
                     ]
-                g_leaves = [g + weight_decay * p for g, p in zip(g_leaves, p_leaves)]
+                g_leaves = [g + weight_decay * p if d else g for g, p, d in zip(g_leaves, p_leaves, decayed)]
         m_leaves = _state_leaves(state.mu, spec, name, "mu")
         v_leaves = _state_leaves(state.nu, spec, name, "nu")
         m_leaves = [b1 * m + (1.0 - b1) * g for m, g in zip(m_leaves, g_leaves)]
@@ -357,13 +384,32 @@ def _adam(
             else:
                 denom = torch.clamp(v / bc2 - phis[i], min=gamma).sqrt()
             u = -step_size * (m / denom)
-            if decoupled and p_leaves is not None:
+            if decoupled and p_leaves is not None and decayed[i]:
                 u = u - (lr * weight_decay) * p_leaves[i]
             out.append(u)
         new_state = AdamState(count=t, mu=optree.tree_unflatten(spec, m_leaves), nu=optree.tree_unflatten(spec, v_leaves))
         return optree.tree_unflatten(spec, out), new_state
 
     return Transform(init, update, StagePrivacy("optimizer", name))
+
+
+def _decay_mask(mask: DecayMask, params: Any, spec: Any, where: str) -> list[bool]:
+    """Per parameter leaf: whether weight decay applies (``mask=None``: every leaf)."""
+    if mask is None:
+        return [True] * spec.num_leaves
+    tree = mask(params) if callable(mask) else mask
+    leaves, mspec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    if mspec != spec:
+        raise InputValueError(
+            f"{where}: the weight-decay mask's tree structure ({mspec}) differs from the parameters' ({spec}); give "
+            "one bool per parameter leaf, in the parameters' structure (or a callable params -> such a tree)."
+        )
+    for leaf in leaves:
+        if not isinstance(leaf, bool):
+            raise InputTypeError(
+                f"{where}: the weight-decay mask's leaves must be bools (True: decayed); got a {type(leaf).__name__}."
+            )
+    return list(leaves)
 
 
 def _noise_variances(grads: Any, paths: list[Any], setting: Any, where: str) -> list[float]:

@@ -109,6 +109,44 @@ def test_matches_torch_optim_with_a_schedule(name, ours, theirs):
             torch.testing.assert_close(g[k], w[k], atol=1e-12, rtol=1e-12)
 
 
+MASKED = [
+    ("sgd", lambda lr, m: sgd(lr, momentum=0.5, weight_decay=0.2, mask=m),
+     lambda groups, lr: torch.optim.SGD(groups, lr=lr, momentum=0.5)),
+    ("adam", lambda lr, m: adam(lr, weight_decay=0.2, mask=m), lambda groups, lr: torch.optim.Adam(groups, lr=lr)),
+    ("adamw", lambda lr, m: adamw(lr, weight_decay=0.2, mask=m), lambda groups, lr: torch.optim.AdamW(groups, lr=lr)),
+]
+
+
+@pytest.mark.parametrize(("name", "ours", "theirs"), MASKED, ids=[c[0] for c in MASKED])
+@pytest.mark.parametrize("as_callable", [False, True])
+def test_a_weight_decay_mask_is_torchs_zero_decay_param_group(name, ours, theirs, as_callable):
+    # torch's oracle: "w" in a group with weight_decay=0.2, "b" in one with weight_decay=0 (Hugging Face's split)
+    params = _params(torch.float64)
+    mask = (lambda p: {k: k == "w" for k in p}) if as_callable else {"w": True, "b": False}
+    got, _ = _run_ours(ours(0.05, mask), params, torch.float64)
+    tensors = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    opt = theirs([{"params": [tensors["w"]], "weight_decay": 0.2}, {"params": [tensors["b"]], "weight_decay": 0.0}], 0.05)
+    for t in range(STEPS):
+        for k, g in _grads(t, torch.float64).items():
+            tensors[k].grad = g.clone()
+        opt.step()
+        for k in tensors:
+            torch.testing.assert_close(got[t][k], tensors[k].detach(), atol=1e-12, rtol=1e-12)
+    unmasked, _ = _run_ours(ours(0.05, None), params, torch.float64)  # without the mask "b" decays too
+    assert not torch.allclose(unmasked[-1]["b"], got[-1]["b"], atol=1e-6)
+    torch.testing.assert_close(unmasked[-1]["w"], got[-1]["w"], atol=1e-12, rtol=1e-12)
+
+
+def test_a_weight_decay_mask_of_another_structure_or_not_bools_is_refused():
+    params = _params()
+    for mask, error, match in (({"w": True}, InputValueError, "structure"),
+                               ({"w": True, "b": 0}, InputTypeError, "bools"),
+                               (lambda p: [True, False], InputValueError, "structure")):
+        opt = adamw(0.1, weight_decay=0.1, mask=mask)
+        with pytest.raises(error, match=match):
+            opt.update(_grads(0), opt.init(params), params)
+
+
 def test_schedule_is_called_with_the_update_count():
     seen = []
 

@@ -8,6 +8,7 @@ Hugging Face's definitions step for step: the optimizer's ``k``-th update (from 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from opake_fx import scheduling
@@ -63,18 +64,39 @@ def learning_rate_schedule(args: Any, total_steps: int) -> scheduling.Schedule:
     )
 
 
-def optimizer_from_args(args: Any, total_steps: int) -> Any:
+def optimizer_from_args(args: Any, total_steps: int, decay_mask: Sequence[bool] | None = None) -> Any:
     """The functional optimizer of ``args.optim`` (AdamW by default; ``sgd``), with the schedule.
 
-    Weight decay applies to every trainable parameter (Hugging Face exempts biases and
-    LayerNorm weights; with ``weight_decay=0``, its default, the two agree).
+    Args:
+        args: the ``TrainingArguments``.
+        total_steps: the run's steps (the schedule's length).
+        decay_mask: one bool per trainable parameter, in the order of the parameters the
+            optimizer updates (``True``: ``weight_decay`` applies). ``DPTrainer`` passes
+            Hugging Face's own choice, ``Trainer.get_decay_parameter_names`` (every parameter
+            except biases and norm weights), so the decay is Hugging Face's. ``None``: every
+            parameter is decayed.
 
-    Privacy: post-processing of the noised gradient.
+    Privacy: post-processing of the noised gradient; weight decay (masked or not) reads the
+    parameters only, never the data, so it changes no guarantee.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> import torch
+        >>> args = SimpleNamespace(optim="adamw_torch", learning_rate=0.1, lr_scheduler_type="constant",
+        ...                        lr_scheduler_kwargs=None, get_warmup_steps=lambda n: 0, adam_beta1=0.9,
+        ...                        adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.5)
+        >>> opt = optimizer_from_args(args, total_steps=1, decay_mask=(True, False))  # (weight, bias)
+        >>> params = (torch.ones(2), torch.ones(2))
+        >>> updates, _ = opt.update((torch.zeros(2), torch.zeros(2)), opt.init(params), params)
+        >>> updates[0].tolist(), updates[1].abs().tolist()  # zero gradients: only the weight decays
+        ([-0.05000000074505806, -0.05000000074505806], [0.0, 0.0])
     """
     kind = _name(args.optim)
     lr = learning_rate_schedule(args, total_steps)
+    mask = None if decay_mask is None else tuple(bool(d) for d in decay_mask)
     if kind in _ADAMW:
-        return adamw(lr, b1=args.adam_beta1, b2=args.adam_beta2, eps=args.adam_epsilon, weight_decay=args.weight_decay)
+        return adamw(lr, b1=args.adam_beta1, b2=args.adam_beta2, eps=args.adam_epsilon, weight_decay=args.weight_decay,
+                     mask=mask)
     if kind == "sgd":
         if args.weight_decay:
             raise InputValueError("DPTrainer: optim='sgd' with weight_decay is not supported; set weight_decay=0.")

@@ -205,7 +205,9 @@ class DPTrainer(transformers.Trainer):
         # adaptive clipping's count noise: its own key, the same on every rank
         pipeline_keys = {"count_key": fold_in(key(seed), 2)} if plan.clipping_mode == "adaptive" else {}
         sampler = previous["sampler"] if previous is not None else self._sampler(plan, dataset, sampler_key, rank, world)
-        optimizer = optimizer_from_args(args, plan.steps)
+        # Hugging Face's weight-decay split (no decay for biases and norm weights), over the trainable parameters
+        decayed = set(self.get_decay_parameter_names(model))
+        optimizer = optimizer_from_args(args, plan.steps, decay_mask=[n in decayed for n in fmodel.param_names])
         pipelines: dict[tuple[str, ...], Any] = {}
         compiled_steps: dict[tuple[str, ...], Any] = {}
 
