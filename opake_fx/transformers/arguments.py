@@ -54,7 +54,11 @@ class TrainingArguments(transformers.TrainingArguments):
       adds the noise once; there are no noised micro-steps.
     * ``num_train_epochs`` / ``max_steps`` fix the length of the run, which the privacy
       budget is calibrated for; the run stops when the budget is spent.
-    * ``max_grad_norm`` is not used: DP clips each example's gradient to ``clipping_norm``.
+    * ``max_grad_norm`` is not applied: DP clips each example's gradient to
+      ``clipping_norm`` before the sum, which replaces Hugging Face's global-norm clipping
+      of the summed gradient. Its default (``1.0``) and ``0`` / ``None`` (Hugging Face's
+      "no clipping") are accepted and ignored; any other value is an error naming
+      ``clipping_norm``, since a ported script that sets it expects a clip it would not get.
     * ``seed`` seeds the model's initialisation and the evaluation, never the privacy
       randomness (see ``privacy_seed``).
 
@@ -153,6 +157,7 @@ class TrainingArguments(transformers.TrainingArguments):
     microbatch_size: int | None = field(default=None, metadata={"help": "Memory only: examples per clipping chunk."})
 
     def __post_init__(self) -> None:
+        check_max_grad_norm(self.max_grad_norm)
         self._check_privacy_fields()
         super().__post_init__()
         self._check_training_fields()
@@ -328,6 +333,32 @@ class TrainingArguments(transformers.TrainingArguments):
             )
         if self.per_device_train_batch_size < 1:
             raise InputValueError("TrainingArguments: per_device_train_batch_size (the expected batch) must be >= 1.")
+
+
+def check_max_grad_norm(value: Any, where: str = "TrainingArguments") -> None:
+    """Refuses a ``max_grad_norm`` other than Hugging Face's default (``1.0``) or ``0`` / ``None``.
+
+    Hugging Face clips the SUMMED gradient to ``max_grad_norm``; DP clips each example's
+    gradient to ``clipping_norm`` instead, and never applies ``max_grad_norm``. A script
+    that sets it (e.g. ``0.5``) expects a clip it would silently not get, so it is an error
+    that names the field to set instead.
+
+    Privacy: none (a check; the clip norm that bounds the sensitivity is ``clipping_norm``).
+
+    Example:
+        >>> check_max_grad_norm(1.0); check_max_grad_norm(0.0); check_max_grad_norm(None)
+        >>> check_max_grad_norm(0.5)
+        Traceback (most recent call last):
+        ...
+        opake_fx.errors.InputValueError: TrainingArguments: max_grad_norm=0.5 is not applied by DPTrainer: DP clips each example's gradient to clipping_norm (before the sum), which replaces Hugging Face's clipping of the summed gradient. Set clipping_norm=0.5 and leave max_grad_norm at its default (1.0, not applied), or set max_grad_norm=0.
+    """
+    if value is None or (_is_real(value) and value in (0, 1)):
+        return
+    raise InputValueError(
+        f"{where}: max_grad_norm={value!r} is not applied by DPTrainer: DP clips each example's gradient to "
+        "clipping_norm (before the sum), which replaces Hugging Face's clipping of the summed gradient. Set "
+        f"clipping_norm={value!r} and leave max_grad_norm at its default (1.0, not applied), or set max_grad_norm=0."
+    )
 
 
 def _is_real(x: Any) -> bool:

@@ -40,7 +40,7 @@ from opake_fx.plan import DPPlan, per_group_by_regex
 from opake_fx.random import fold_in, key
 from opake_fx.transforms import apply_updates
 from opake_fx.transformers import checkpoint as ckpt
-from opake_fx.transformers.arguments import TrainingArguments
+from opake_fx.transformers.arguments import TrainingArguments, check_max_grad_norm
 from opake_fx.transformers.losses import check_model, check_padding_invariance, per_example_loss_fn
 from opake_fx.transformers.optim import optimizer_from_args
 
@@ -126,6 +126,9 @@ class DPTrainer(transformers.Trainer):
 
     def __init__(self, *args: Any, per_example_loss_func: Callable[[Any, Mapping[str, torch.Tensor]], torch.Tensor] | None = None,
                  **kwargs: Any) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if isinstance(training_args, TrainingArguments):  # before Hugging Face seeds or creates anything
+            check_max_grad_norm(training_args.max_grad_norm, "DPTrainer")
         super().__init__(*args, **kwargs)
         self.per_example_loss_func = per_example_loss_func
         self.privacy_plan: DPPlan | None = None
