@@ -39,7 +39,7 @@ from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.random import RngKey, fold_in
 from opake_fx.types import PerGroup
 
-__all__ = ["DPPlan", "Participation", "SAMPLERS", "MECHANISMS", "COMPATIBLE", "CLIPPING_MODES", "CLIPPING_KWARGS",
+__all__ = ["DPPlan", "Participation", "RecordedLossState", "SAMPLERS", "MECHANISMS", "COMPATIBLE", "CLIPPING_MODES", "CLIPPING_KWARGS",
            "check_clipping_kwargs", "per_group_by_regex", "regex_norms"]
 
 SAMPLERS = ("poisson", "truncated_poisson", "cyclic_poisson", "b_min_sep", "balls_in_bins")
@@ -371,6 +371,7 @@ class DPPlan:
         augment_key: RngKey | None = None,
         microbatch_size: int | None = None,
         count_key: RngKey | None = None,
+        record_loss: bool = False,
     ) -> Any:
         """``named_chain(clip, psum, noise, opt)`` with the plan's clip norm, normalisation and noise.
 
@@ -403,6 +404,11 @@ class DPPlan:
                 gradients this many examples at a time (``None``: the whole batch at
                 once). The same examples are clipped to the same norm and summed, so the
                 result and the privacy are those without it (up to float summation order).
+            record_loss: the clip stage's state becomes a :class:`RecordedLossState` that
+                also holds the sum and the count of the step's per-example losses (of the
+                real examples: padding rows are left out), taken from the clipping pass
+                itself: no extra forward pass. NOT private (a training loss); for logging.
+                Not with ``augmult``.
 
         Privacy: clip to ``clipping_norm``, divide by ``batch_size``, sum over ranks, add
         ``noise_multiplier * sensitivity / batch_size`` Gaussian noise to every coordinate
@@ -457,6 +463,11 @@ class DPPlan:
         else:
             factory = clip
             clip_args["clipping_norm"] = self.clipping_norm
+        if record_loss and self.augmult > 1:
+            raise InputValueError(
+                f"DPPlan(augmult={self.augmult}).pipeline(record_loss=True) is not supported: each example's loss is "
+                "that of K augmented copies. Leave record_loss out, or use augmult=1."
+            )
         if self.augmult > 1:
             from opake_fx.augmult import augmult
 
@@ -469,6 +480,8 @@ class DPPlan:
                                  clip_fn=factory, **clip_args)
         elif augment is not None:
             raise InputValueError("DPPlan.pipeline(augment=...) needs a plan with augmult=K >= 2 (the copies per example).")
+        elif record_loss:
+            clip_stage = _loss_recording(factory, loss_fn, clip_args, count_key)
         else:
             clip_stage = factory(loss_fn, **clip_args)
         if self.clipping_mode == "adaptive":
@@ -1166,6 +1179,85 @@ def _clipping_kwargs(mode: str, given: Any, batch_size: float) -> dict[str, floa
             out["count_noise_multiplier"], "clipping_kwargs['count_noise_multiplier']", where,
             "The std of the clipped count's noise, in counts (default batch_size / 20).")
     return dict(sorted(out.items()))
+
+
+@dataclass(frozen=True)
+class RecordedLossState:
+    """The state of a clip stage built by ``DPPlan.pipeline(..., record_loss=True)``.
+
+    Attributes:
+        clip_state: the clipping function's own state (``FixedClipState``,
+            ``AdaptiveClipState``), as the plain stage keeps it.
+        loss_sum: 0-d float64 tensor, the sum of the last step's per-example losses over
+            its real examples (padding rows of a compiled step left out), from the forward
+            pass the clipping itself ran: at the parameters the step was computed at.
+        loss_count: 0-d float64 tensor, the number of those examples (0 for an empty batch).
+
+    **Not private**: a training loss of the batch's examples, on this rank only (sum the
+    pairs over ranks for the global mean). Read on the host (``float``) only when logging:
+    the step itself never reads it.
+    """
+
+    clip_state: Any
+    loss_sum: Any
+    loss_count: Any
+
+
+def _loss_recording(factory: Callable[..., Any], loss_fn: Callable[..., Any], clip_args: dict[str, Any],
+                    count_key: RngKey | None) -> Any:
+    """The clip stage of ``factory`` whose state also records the step's per-example losses.
+
+    The clipping function is built with ``has_aux=True`` and a loss returning its own values
+    (detached) as the per-example aux, which the clipping concatenates over microbatches
+    without reading anything on the host; the stage strips the aux from its output.
+    """
+    import optree
+    import torch
+
+    from opake_fx.dpsgd.clipping import (adaptive_clip, adaptive_clipped_grad, as_stage, auto_clip, auto_clipped_grad,
+                                         clipped_grad)
+    from opake_fx.pytree import NAMESPACE
+    from opake_fx.transforms import Transform
+
+    makers = {clip_fn: grad_fn for clip_fn, grad_fn in ((adaptive_clip, adaptive_clipped_grad),
+                                                          (auto_clip, auto_clipped_grad))}
+    inner_factory = factory.func if isinstance(factory, functools.partial) else factory
+    maker = makers.get(inner_factory, clipped_grad)
+    if inner_factory is adaptive_clip:
+        maker = functools.partial(maker, key=count_key)
+    # the privacy statement of the stage this one stands for (built, not run: it draws nothing)
+    privacy = factory(loss_fn, **clip_args).privacy
+
+    def with_values(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        losses = loss_fn(*args, **kwargs)
+        return losses, losses.detach()
+
+    grad_fn, clip_state = maker(with_values, argnums=0, has_aux=True, **clip_args)
+
+    def recording(params: Any, *batch: Any, state: RecordedLossState, example_mask: Any = None) -> tuple[Any, Any]:
+        masked = {} if example_mask is None else {"example_mask": example_mask}
+        (out, values), inner = grad_fn(params, *batch, state=state.clip_state, **masked)
+        if values is None:  # an empty batch
+            total, count = torch.zeros_like(state.loss_sum), torch.zeros_like(state.loss_count)
+        else:
+            values = values.detach().to(torch.float64)
+            if example_mask is None:
+                total, count = values.sum(), torch.tensor(float(values.shape[0]), dtype=torch.float64, device=values.device)
+            else:
+                real = example_mask.to(values.device)
+                total = torch.where(real, values, torch.zeros((), dtype=values.dtype, device=values.device)).sum()
+                count = real.to(torch.float64).sum()
+        return out, RecordedLossState(inner, total, count)
+
+    stage = as_stage(recording, None, batch_argnums=clip_args["batch_argnums"], privacy=privacy)
+
+    def init(params: Any) -> RecordedLossState:
+        leaves = optree.tree_leaves(params, namespace=NAMESPACE) if params is not None else []
+        device = leaves[0].device if leaves and isinstance(leaves[0], torch.Tensor) else None
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return RecordedLossState(clip_state, zero, zero.clone())
+
+    return Transform(init, stage.update, stage.privacy)
 
 
 def _synced_counts(stage: Any) -> Any:

@@ -406,3 +406,31 @@ def test_every_sampler_has_a_mechanism_and_every_listed_pair_builds():
             plan = DPPlan(dataset_size=40, steps=8, noise_multiplier=2.0, delta=1e-5, mechanism=mechanism,
                           sampling=sampling, **kw)
             assert 0 < plan.epsilon() < math.inf and len(plan.sampler(list(range(40)), key(0))) == 8
+
+
+@pytest.mark.parametrize("mode", ["fixed", "auto", "adaptive"])
+@pytest.mark.parametrize("microbatch_size", [None, 2])
+def test_record_loss_records_the_clipping_passs_losses_and_changes_no_update(mode, microbatch_size):
+    plan = _plan(dataset_size=1000, batch_size=5, steps=20, target_epsilon=None, noise_multiplier=1.0, clipping_mode=mode)
+    f = lambda p, x: ((x - p) ** 2).sum()  # noqa: E731
+    extra = {"count_key": key(7)} if mode == "adaptive" else {}
+    made = {r: plan.pipeline(f, sgd(0.1), key=key(0), batch_argnums=(1,), microbatch_size=microbatch_size,
+                             record_loss=r, **extra) for r in (False, True)}
+    p = torch.zeros(3)
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0)) * 3
+    mask = torch.tensor([True, True, False, True, False])
+    plain_state, state = made[False].init(p), made[True].init(p)
+    assert float(state["clip"].loss_count) == 0.0  # before any step
+    for example_mask in (None, mask, torch.zeros(5, dtype=torch.bool)):
+        masked = {} if example_mask is None else {"example_mask": example_mask}
+        want_updates, plain_state = made[False].update((x,), plain_state, p, **masked)
+        updates, state = made[True].update((x,), state, p, **masked)
+        torch.testing.assert_close(updates, want_updates, rtol=0, atol=0)  # the release is the same, bit for bit
+        real = torch.ones(5, dtype=torch.bool) if example_mask is None else example_mask
+        per_example = ((x - p) ** 2).sum(dim=1).double()
+        assert float(state["clip"].loss_count) == float(real.sum())
+        assert float(state["clip"].loss_sum) == pytest.approx(float(per_example[real].sum()), rel=1e-6)
+    if mode == "adaptive":
+        assert state["clip"].clip_state.clipping_norm == plain_state["clip"].clipping_norm
+    _, state = made[True].update((x[:0],), state, p)  # an empty batch records nothing
+    assert float(state["clip"].loss_count) == 0.0 and float(state["clip"].loss_sum) == 0.0

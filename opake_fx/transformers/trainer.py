@@ -84,11 +84,21 @@ class DPTrainer(transformers.Trainer):
     continues the run saved in a checkpoint instead.
 
     ``train()`` logs ``loss``, ``epsilon`` and ``delta`` whenever Hugging Face's control asks
-    for a log (``logging_steps``, a callback) and at the run's end (the loss of the logged
-    step's batch at the parameters the step was computed at, never ``nan``: NOT private,
-    like any training loss), stops when the next step would exceed the budget, and adds
-    ``train_loss``, ``privacy_epsilon``, ``privacy_delta`` and ``privacy_noise_multiplier``
-    to the final metrics. Each checkpoint also holds ``accountant.json`` and
+    for a log (``logging_steps``, a callback) and at the run's end, stops when the next step
+    would exceed the budget, and adds ``train_loss``, ``privacy_epsilon``, ``privacy_delta``
+    and ``privacy_noise_multiplier`` to the final metrics. The logged ``loss`` is the mean
+    per-example loss of the logged step's batch (all ranks, every gradient-accumulation
+    chunk, padding rows left out) that the clipping pass itself computed, at the parameters
+    the step was computed at: logging adds no forward pass. A step whose batch is empty logs
+    the loss of the most recent step that had examples (each rank's; only before any example
+    was drawn is the loss of the first training examples computed for it); never ``nan``;
+    NOT private, like any training loss.
+
+    Where Hugging Face's ``Trainer`` and DPTrainer meet: weight decay applies to the
+    parameters of ``get_decay_parameter_names`` only (Hugging Face's split: not biases, not
+    norm weights); ``max_grad_norm`` (Hugging Face's clip of the summed gradient) is not
+    applied, per-example clipping to ``clipping_norm`` replaces it, and a value other than
+    its default ``1.0`` or ``0`` / ``None`` is refused at construction. Each checkpoint also holds ``accountant.json`` and
     ``dp_state.rank{r}.pt`` (parameters, clip/noise/optimizer state, sampler position,
     accountant, privacy seed) next to Hugging Face's ``rng_state*.pth``;
     ``train(resume_from_checkpoint=...)`` continues the run exactly, dropout included.
@@ -218,7 +228,8 @@ class DPTrainer(transformers.Trainer):
             if keys not in pipelines:
                 pipelines[keys] = plan.pipeline(_loss_over(losses, fmodel, keys, plan.clip_backend), optimizer,
                                                 key=noise_key, model=fmodel, batch_argnums=tuple(range(1, len(keys) + 1)),
-                                                microbatch_size=args.clipping_chunk_size, **pipeline_keys)
+                                                microbatch_size=args.clipping_chunk_size, record_loss=True,
+                                                **pipeline_keys)
             return pipelines[keys]
 
         def step_with(keys: tuple[str, ...], tensors: tuple[torch.Tensor, ...], state: Any, params: Any) -> tuple[Any, Any]:
@@ -287,21 +298,21 @@ class DPTrainer(transformers.Trainer):
         stopped_by_budget = False
         logging_on = _strategy(args.logging_strategy) != "no"
         logged_step = start_step  # the last step whose loss, epsilon and delta are in the log
-        # the logged loss of a batch that is empty on every rank is that of the most recent non-empty one
-        # (``last_indices``, this rank's), or of the first training examples before there is one
-        last_indices: list[int] = []
+        # the per-example losses (sum, count) that the clipping pass of this rank's most recent non-empty batch
+        # recorded (a batch empty here keeps the previous one's): the logged loss, with no forward pass of its own
+        last_record = (state["clip"].loss_sum, state["clip"].loss_count)
         first_examples = list(range(min(len(dataset), _PROBE_EXAMPLES)))
 
-        def log_step(at_params: Any, tensors: dict[str, torch.Tensor], lr_step: int) -> None:
-            """Logs the loss of ``tensors`` at ``at_params`` (the parameters the step was computed at),
+        def log_step(at_params: Any, lr_step: int) -> None:
+            """Logs the recorded loss (``at_params``: the parameters of the step, for the fallback only),
             the learning rate of step ``lr_step`` (from 0), the epsilon spent and the plan's delta."""
-            candidates = [lambda: tensors, lambda: self._collated_tensors(collate, last_indices),
-                          lambda: self._collated_tensors(collate, first_examples)]
-            logs = {"loss": self._logged_loss(losses, fmodel, at_params, candidates),
+            logs = {"loss": self._logged_loss(last_record, lambda: _loss_sum(
+                        losses, fmodel, at_params, self._collated_tensors(collate, first_examples),
+                        args.clipping_chunk_size)),
                     "learning_rate": float(optimizer_lr(args, plan, lr_step)),
                     "epsilon": self._spent_epsilon(), "delta": float(plan.delta)}
             if plan.clipping_mode == "adaptive":  # a function of the noised counts: released and accounted
-                logs["clipping_norm"] = float(state["clip"].clipping_norm)
+                logs["clipping_norm"] = float(state["clip"].clip_state.clipping_norm)
             self.log(logs, start_time)
 
         if resume_from_checkpoint is not None:  # last: nothing of the set-up draws from the restored streams
@@ -319,17 +330,18 @@ class DPTrainer(transformers.Trainer):
                 except BudgetExceededError:
                     logger.warning("DPTrainer: stopping before step %d: it would exceed the privacy budget.", step + 1)
                     stopped_by_budget = self._dp["exhausted"] = True
-                    if logging_on and logged_step < step:  # the run's end is logged: the loss, at the final
-                        # parameters, of the batch drawn for the step not taken (the last step's is gone)
-                        log_step(params, {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, max(step - 1, 0))
+                    if logging_on and logged_step < step:  # the run's end is logged: the last step's loss
+                        log_step(params, max(step - 1, 0))
                     break
                 self._dp["charged"] = step + 1
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             model.train()  # an evaluation in between leaves the model in eval mode
             keys = tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor)))
             tensors = tuple(batch[k] for k in keys)
-            before = params  # the logged loss is the batch's loss at the parameters its step was computed at
+            before = params  # the parameters the step is computed at (the logged loss's, and its fallback's)
             params, state = step_with(keys, tensors, state, params)
+            if indices:  # known on the host: no device read
+                last_record = (state["clip"].loss_sum, state["clip"].loss_count)
             fmodel.load_into_model(params)
             self._dp.update(params=params, state=state, step=step + 1, charged=max(self._dp["charged"], step + 1))
             self.state.global_step = step + 1
@@ -337,12 +349,10 @@ class DPTrainer(transformers.Trainer):
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             if logging_on and (step + 1 == plan.steps or self.control.should_training_stop):
                 self.control.should_log = True  # the run's last step always reports its loss, epsilon and delta
-            if self.control.should_log:  # whoever asked (logging_steps, a callback): the loss is computed now
-                log_step(before, dict(zip(keys, tensors)), step)
+            if self.control.should_log:  # whoever asked (logging_steps, a callback): the recorded loss is read now
+                log_step(before, step)
                 logged_step = step + 1
             before = None  # not held into the next step (a full model's parameters)
-            if indices:
-                last_indices = indices
             if self.control.should_evaluate:
                 metrics = self._evaluate(trial, ignore_keys_for_eval)
                 is_best = self._determine_best_metric(metrics=metrics, trial=trial)
@@ -482,26 +492,28 @@ class DPTrainer(transformers.Trainer):
                                           n_steps=plan.steps, drop_last=self.args.dataloader_drop_last)
         return plan.sampler(dataset, sampler_key, rank=rank, world_size=world)
 
-    def _collated_tensors(self, collate: Callable[[list[int]], dict[str, Any]], indices: list[int]) -> dict[str, torch.Tensor] | None:
-        if not indices:
-            return None
+    def _collated_tensors(self, collate: Callable[[list[int]], dict[str, Any]], indices: list[int]) -> dict[str, torch.Tensor]:
         batch = self._prepare_inputs(collate(list(indices)))
         return {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
-    def _logged_loss(self, losses: Callable[..., torch.Tensor], fmodel: FunctionalModel, params: Any,
-                     candidates: list[Callable[[], dict[str, torch.Tensor] | None]]) -> float:
-        """The mean per-example loss, over every rank, of the first candidate batch that has examples on
-        some rank (each candidate is made on demand; every rank goes through the same candidates).
+    def _logged_loss(self, record: tuple[torch.Tensor, torch.Tensor], fallback: Callable[[], tuple[float, int]]) -> float:
+        """The mean per-example loss, over every rank, that the clipping passes recorded: ``record`` is
+        this rank's (sum, count) of its most recent non-empty batch (:class:`~opake_fx.plan.RecordedLossState`).
 
-        On private copies of the random streams: the extra forward pass (dropout on, as in the
-        step) draws nothing the training draws, so logging more or less often trains the same."""
-        for make in candidates:
-            with _private_random_streams():
-                tensors = make()
-                local = (0.0, 0) if not tensors else _loss_sum(losses, fmodel, params, tensors, self.args.clipping_chunk_size)
-            total = _global_sum(torch.tensor([local[0], float(local[1])], dtype=torch.float64))
-            if total[1] > 0:
-                return float(total[0] / total[1])
+        No forward pass of its own, except when no rank has drawn an example yet in this ``train()``
+        (every batch so far empty): then ``fallback()``, the (sum, count) of the first training
+        examples at the step's parameters, on private copies of the random streams (it draws nothing
+        the training draws, so logging more or less often trains the same). Every rank takes the same
+        branch (the decision reads the global count)."""
+        local = torch.stack([record[0].detach().double(), record[1].detach().double()]).cpu()
+        total = _global_sum(local)
+        if total[1] > 0:
+            return float(total[0] / total[1])
+        with _private_random_streams():
+            first = fallback()
+        total = _global_sum(torch.tensor([first[0], float(first[1])], dtype=torch.float64))
+        if total[1] > 0:
+            return float(total[0] / total[1])
         raise InputValueError("DPTrainer: no training example to compute the logged loss on.")  # pragma: no cover
 
     def _restore_random_streams(self, directory: str) -> None:
