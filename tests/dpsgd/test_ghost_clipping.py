@@ -160,25 +160,38 @@ def test_layer_applied_twice() -> None:
     check(Twice(), x, torch.randn(6, 3, 4, dtype=torch.float64))
 
 
+class _Pos(nn.Module):
+    """Position embeddings looked up with arange(T) (no batch axis), joined to the batch by ``how``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.tok = nn.Embedding(9, 4)
+        self.pos = nn.Embedding(5, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        p = self.pos(torch.arange(ids.shape[1]))
+        h = self.tok(ids)
+        h = h + p if self.how == "add" else h + torch.tanh(h @ p.T) @ p  # "matmul": meets the batch in a matmul
+        return self.head(torch.tanh(h)).squeeze(-1)
+
+
 def test_module_called_without_batch_dimension() -> None:
-    # Position embeddings looked up with arange(T) (no batch axis) go to the whole-loss fallback.
+    # The shared-tensor rule takes the positions where they meet the batch (an add): no fallback.
     torch.manual_seed(6)
-
-    class Pos(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok = nn.Embedding(9, 4)
-            self.pos = nn.Embedding(5, 4)
-            self.head = nn.Linear(4, 1)
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            h = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
-            return self.head(torch.tanh(h)).squeeze(-1)
-
     ids = torch.randint(0, 9, (7, 5))
-    with pytest.warns(SlowPathWarning, match=r"pos\.weight: its module was called without the batch \(7 examples\) as first "
-                      r"dimension.*inputs \[\(5,\)\].*position_ids=torch\.arange\(T\)\.expand\(B, T\)"):
-        check(Pos(), ids, torch.randn(7, 5, dtype=torch.float64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowPathWarning)
+        check(_Pos("add"), ids, torch.randn(7, 5, dtype=torch.float64))
+
+
+def test_shared_tensor_meeting_the_batch_elsewhere_takes_the_whole_loss_fallback() -> None:
+    torch.manual_seed(6)
+    ids = torch.randint(0, 9, (7, 5))
+    with pytest.warns(SlowPathWarning, match=r"pos\.weight: its module's outputs have no batch axis and meet the batch "
+                      r"in an op the shared-tensor rule does not take \(.*matmul.*\)"):
+        check(_Pos("matmul"), ids, torch.randn(7, 5, dtype=torch.float64))
 
 
 def test_fast_paths_do_not_warn() -> None:

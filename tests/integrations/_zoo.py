@@ -483,21 +483,19 @@ CASES: list[Case] = [
     _hf("qwen2", qwen2, text_batch, lm_loss, TEXT_SIZES),
     _hf("gpt_neox", gpt_neox, text_batch, lm_loss, TEXT_SIZES),
     _hf("gpt2_tied", gpt2, text_batch, gpt2_loss, TEXT_SIZES),
-    _hf("gpt2_default_positions", gpt2, text_batch, gpt2_default_positions_loss, {"odd": 5, "B=T": SEQ},
-        {"ghost": "slow", "auto": "slow"}),
+    # wpe looked up on [1, T] positions (a shared call) and added to the batch: the shared-tensor rule.
+    _hf("gpt2_default_positions", gpt2, text_batch, gpt2_default_positions_loss, {"odd": 5, "B=T": SEQ}),
     _hf("bert_cls", bert_cls, cls_batch, bert_cls_loss, {**TEXT_SIZES, "B=labels": 3}),
     _hf("bert_mlm", bert_mlm, mlm_batch, bert_mlm_loss, TEXT_SIZES),
     _hf("roberta_mlm", roberta_mlm, lambda b, g: mlm_batch(b, g, pad=1, low=4), roberta_mlm_loss, TEXT_SIZES),
-    # T5's relative-attention bias is an embedding looked up with a [T, T] bucket tensor
-    # (no batch axis): a rule or an exact fallback that says so are both acceptable.
+    # T5's relative-attention bias is an embedding looked up with a [T, T] bucket tensor (no
+    # batch axis, a shared call) that meets the batch at the mask's `where`: the shared-tensor rule.
     _hf("t5", t5, t5_batch, t5_loss,
-        {"odd": 3, "B=T_enc": T5_ENC, "B=T_dec": T5_DEC, "B=heads": HEADS, "B=buckets": T5_BUCKETS},
-        {"ghost": "any", "auto": "any"}),
+        {"odd": 3, "B=T_enc": T5_ENC, "B=T_dec": T5_DEC, "B=heads": HEADS, "B=buckets": T5_BUCKETS}),
     # Without padding masks (no vmap trouble from transformers' mask code): isolates the
     # relative-attention bias, whose [T, T] lookup is taken for batched when B == T.
     _hf("t5_unpadded", t5, t5_unpadded_batch, t5_unpadded_loss,
-        {"odd": 3, "B=T_enc": T5_ENC, "B=T_dec": T5_DEC, "B=buckets": T5_BUCKETS},
-        {"vmap": "fast", "ghost": "any", "auto": "any"}),
+        {"odd": 3, "B=T_enc": T5_ENC, "B=T_dec": T5_DEC, "B=buckets": T5_BUCKETS}, {"vmap": "fast"}),
     # No attention mask: the default vmap backend must run it as it is.
     # ViTEmbeddings uses cls_token (expanded to the batch) and position_embeddings (added) in its
     # own forward, outside any submodule call: the elementwise rule takes both broadcasts.

@@ -41,6 +41,7 @@ would silently use the module's own, possibly stale, parameters).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Literal
 
 import optree
@@ -54,6 +55,7 @@ from opake_fx.dpsgd.clipping import _rules_fallback as FB
 from opake_fx.dpsgd.clipping._rule import BuildContext, Rule
 from opake_fx.dpsgd.clipping._rules_elementwise import ELEMENTWISE, watch
 from opake_fx.dpsgd.clipping._rules_fallback import FALLBACK
+from opake_fx.dpsgd.clipping._rules_shared import SharedTensors, expand_for_site
 from opake_fx.dpsgd.clipping._tied import sum_of_uses
 from opake_fx.dpsgd.clipping._provenance import BatchLayout, probe, signature, tensor_leaves
 from opake_fx.dpsgd.clipping._per_example import autograd_grad, map_examples, warn_slow_path
@@ -134,12 +136,13 @@ class _NormBackend:
             verify = sorted(i for i in capture.fallback if i not in verdicts)
             decided = sorted(i for i in capture.fallback if i in verdicts)
             batch_grads: list[Any] = [None] * len(verify)
-            if losses.requires_grad and (capture.uses or verify):
+            if losses.requires_grad and (capture.uses or verify or capture.sites):
                 with capture.backward():
                     grads = torch.autograd.grad(losses.sum(), [capture.anchor] + [leaves[i] for i in verify], allow_unused=True)
                 batch_grads = list(grads[1:])
         finally:
             capture.close()
+            shared_pe = capture.shared_per_example()
         rules = capture.rules
         for u in capture.uses:  # module fallbacks run now, outside the backward pass
             if u.rule.deferred and u.pending is not None:
@@ -149,6 +152,8 @@ class _NormBackend:
         # there are formulas, else by summing per-example gradients.
         combined: dict[int, Any] = {}
         for i in sorted(capture.multi):
+            if i in shared_pe:
+                continue  # also read through shared tensors: summed per example below
             parts = [(rules[id(u)], n) for u, n in capture.uses_of(i) if rules.get(id(u)) is not None]
             rule = sum_of_uses(parts, N.compute_dtype(leaves[i].dtype)) if parts else None
             if rule is not None:
@@ -156,6 +161,8 @@ class _NormBackend:
         per_ex: dict[int, torch.Tensor] = {}
         for i, check in (list(zip(verify, batch_grads)) + [(i, None) for i in decided]
                          + [(i, None) for i in sorted(capture.multi) if i not in combined]):
+            if i in capture.whole:
+                continue
             parts = [rules[id(u)].per_example(n) for u, n in capture.uses_of(i) if rules.get(id(u)) is not None]
             pe = sum(parts[1:], parts[0]) if parts else torch.zeros((batch, *leaves[i].shape), dtype=leaves[i].dtype, device=leaves[i].device)
             if i in capture.fallback and i not in verdicts:
@@ -167,7 +174,11 @@ class _NormBackend:
                 use, name = capture.uses_of(i)[0]
                 capture.why.setdefault(i, ("used somewhere its module's own call cannot see", use.module, name))
                 continue
-            per_ex[i] = pe
+            per_ex[i] = pe + shared_pe[i].to(pe.dtype) if i in shared_pe else pe
+        for i in sorted(set(shared_pe) - set(per_ex) - capture.whole):
+            parts = [rules[id(u)].per_example(n) for u, n in capture.uses_of(i) if rules.get(id(u)) is not None]
+            pe = shared_pe[i]
+            per_ex[i] = sum((p.to(pe.dtype) for p in parts), pe)
         module_fallback = sorted(i for i in capture.fallback if i in per_ex)
         if module_fallback:
             _warn_module_fallback(self.root, self.mode, capture, module_fallback)
@@ -286,6 +297,9 @@ class _Capture:
         self.bindings: dict[nn.Module, dict[str, Any]] = {}
         self.active: dict[int, dict[str, int]] = {}
         self.broadcast: dict[int, set[str]] = {}  # id(module) -> its parameters tapped as broadcasts in this call
+        self.following: SharedTensors | None = None  # follows shared tensors (._rules_shared) when the layout has any
+        self.sites: list[_Site] = []  # where shared tensors met the batch, tapped
+        self.shared_calls: dict[int, tuple[nn.Module, str]] = {}  # leaf -> a shared call that used it
 
     # -- phases --------------------------------------------------------------------------
 
@@ -294,14 +308,21 @@ class _Capture:
         for m in self.modules:
             if m._parameters or isinstance(m, _BatchNorm):
                 self.handles.append(m.register_forward_hook(self._hook, with_kwargs=True))
+        if self.layout.shared_ops and self.batch:
+            self.following, seeds = self.layout.following(self.modules, self.batch, self._on_site)
+            self.handles += seeds
         self.recording = True
         return self
 
     def __enter__(self) -> _Capture:
+        if self.following is not None:
+            self.following.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.recording = False
+        if self.following is not None:
+            self.following.__exit__(*exc)
 
     def backward(self) -> _Rebind:
         return _Rebind(self.bindings)
@@ -327,6 +348,13 @@ class _Capture:
                 if owner:
                     uses.extend(owner)
                     self.fallback.add(i)
+                elif i in self.shared_calls:
+                    self.whole.add(i)
+                    ops = sorted(set(self.following.escaped)) if self.following is not None else []
+                    self.why.setdefault(i, (
+                        "its module's outputs have no batch axis and meet the batch in an op the shared-tensor rule "
+                        f"does not take ({', '.join(ops) or 'outside the followed ops'}; it takes + - * / and where, "
+                        "and the attn_mask of scaled_dot_product_attention)", *self.shared_calls[i]))
                 else:
                     self.whole.add(i)
                     self.why.setdefault(i, ("used outside any module call (e.g. directly in loss_fn)", None, ""))
@@ -350,6 +378,12 @@ class _Capture:
     # -- hooks ---------------------------------------------------------------------------
 
     def _hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        if self.following is not None:
+            with self.following.paused():  # what the rules compute here is not the model's forward
+                return self._hook_call(module, args, kwargs, output)
+        return self._hook_call(module, args, kwargs, output)
+
+    def _hook_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         if not torch.is_grad_enabled():
             return None
         if isinstance(module, _BatchNorm) and module.training:
@@ -377,6 +411,11 @@ class _Capture:
         single = isinstance(output, torch.Tensor)
         outputs = [output] if single else [o for o in optree.tree_leaves(output) if isinstance(o, torch.Tensor)]
         if not rule.batched(module, args, kwargs, outputs, batched):
+            if self.following is not None and self.layout.shared_call(module, tensor_leaves((args, kwargs)), outputs,
+                                                                      self.batch):
+                for n, i in names.items():
+                    self.shared_calls.setdefault(i, (module, n))
+                return None  # a shared call: its parameters are read where its outputs meet the batch
             if self.recording:
                 self.whole.update(names.values())
                 shapes = [tuple(t.shape) for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -436,6 +475,49 @@ class _Capture:
             self.broadcast.setdefault(id(module), set()).add(name)
             report = _Report(self, u)
         return _Tap.apply(self.anchor, report, 0, expanded)
+
+    def _on_site(self, k: int, d: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """A shared tensor ``d`` where it meets the batch (._rules_shared): replaced by its
+        detached expansion along the batch, through a tap that keeps the gradient rows."""
+        if not self.recording or not torch.is_grad_enabled() or not d.requires_grad:
+            return d
+        e = expand_for_site(d, shape)
+        if e is None:
+            return d
+        site = _Site(d)
+        self.sites.append(site)
+        return _Tap.apply(self.anchor, site, 0, e)
+
+    def shared_per_example(self) -> dict[int, torch.Tensor]:
+        """``[B, *shape]`` per-example gradients, through the sites, of every differentiated
+        leaf the shared tensors are computed from (not those on the whole-loss path): one
+        batched vector-Jacobian product of the shared subgraph."""
+        sites = [s for s in self.sites if s.g is not None]
+        if not sites:
+            return {}
+        reach = sorted(i for i in _leaves_reached([s.d for s in sites], self.index) if i not in self.whole)
+        for i in [i for i in reach if i in self.fallback]:
+            # A module fallback recomputes its call whole (sites included), so it and the sites
+            # would both count the sites' paths: the exact whole-loss path takes the leaf instead.
+            self.whole.add(i)
+            use, name = self.uses_of(i)[0]
+            self.why.setdefault(i, ("used by a module without a rule on the side of a tensor without the batch axis",
+                                    use.module, name))
+            reach.remove(i)
+        if not reach:
+            return {}
+        with warnings.catch_warnings():  # vmap's note that a backward op runs in a loop (still exact)
+            warnings.filterwarnings("ignore", message=".*performance drop.*")
+            grads = torch.autograd.grad([s.d for s in sites], [self.leaves[i] for i in reach],
+                                        [s.g.reshape(self.batch, *s.d.shape).to(s.d.dtype) for s in sites],
+                                        is_grads_batched=True, allow_unused=True)
+        out = {}
+        for i, g in zip(reach, grads):
+            leaf = self.leaves[i]
+            if g is None:
+                g = torch.zeros((self.batch, *leaf.shape), dtype=leaf.dtype, device=leaf.device)
+            out[i] = N.as_dtype(g, N.compute_dtype(leaf.dtype))
+        return out
 
     def _held_by_children(self, module: nn.Module) -> set[int]:
         """Ids of the parameters a submodule also holds (``decoder.bias = self.bias`` in BERT's
@@ -539,6 +621,18 @@ class _Report:
         cap.rules[id(use)] = use.rule.build(use.module, tuple(t.detach() for t in saved), g, names, ctx)
 
 
+class _Site:
+    """One place a shared tensor ``d`` met the batch; the tap reports its gradient rows ``g``."""
+
+    __slots__ = ("d", "g")
+
+    def __init__(self, d: torch.Tensor) -> None:
+        self.d, self.g = d, None
+
+    def __call__(self, saved: tuple[torch.Tensor, ...], grads: tuple[Any, ...]) -> None:
+        self.g = None if grads[0] is None else grads[0].detach()
+
+
 class _Rebind:
     """Binds the forward pass's parameters to their modules again (for checkpoint recomputation)."""
 
@@ -589,6 +683,26 @@ def _leaf_use_counts(losses: torch.Tensor, index: dict[int, int]) -> dict[int, i
                 seen.add(nxt)
                 stack.append(nxt)
     return counts
+
+
+def _leaves_reached(tensors: list[torch.Tensor], index: dict[int, int]) -> set[int]:
+    """The differentiated leaves the autograd graphs of ``tensors`` lead into."""
+    found = {index[id(t)] for t in tensors if id(t) in index}
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            var = getattr(nxt, "variable", None)
+            if var is not None:
+                if id(var) in index:
+                    found.add(index[id(var)])
+            elif nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return found
 
 
 def _adds_up(pe: torch.Tensor, batch_grad: torch.Tensor | None) -> bool | None:

@@ -59,6 +59,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from opake_fx.dpsgd.clipping._rules_elementwise import watch
+from opake_fx.dpsgd.clipping._rules_shared import OnSite, SharedTensors, expand_for_site
 from opake_fx.pytree import NAMESPACE
 
 #: Examples of the batch the check runs on (the first ones).
@@ -73,6 +74,9 @@ class Uncheckable(str):
     """Returned (with the reason) when the check cannot run for this call signature at all (the
     loss fails on the probe, with gradients or alone): its calls take the exact per-example path."""
 
+#: (modules, batch size, on_site) -> (a mode following shared tensors, its seeding hooks)
+Following = Callable[[list[nn.Module], int, OnSite], tuple[SharedTensors, list[Any]]]
+
 # (k rows per example, or 0 when the tensor does not carry the batch axis first)
 RowsOf = Callable[[nn.Module, list[torch.Tensor], list[torch.Tensor], int], list[int]]
 
@@ -80,7 +84,8 @@ RowsOf = Callable[[nn.Module, list[torch.Tensor], list[torch.Tensor], int], list
 def check_independence(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                        batch_argnums: tuple[int, ...], has_aux: bool, batch: int, rows_of: RowsOf,
                        broadcast_candidate: Callable[[nn.Module], bool],
-                       broadcast_rows: Callable[[nn.Module, int, torch.Tensor, int], int]) -> str | None:
+                       broadcast_rows: Callable[[nn.Module, int, torch.Tensor, int], int],
+                       shared: Following | None = None) -> str | None:
     """None when no example reads another, an error message when one does,
     :data:`UNDECIDED` (this batch cannot tell) or an :class:`Uncheckable` reason.
 
@@ -93,6 +98,8 @@ def check_independence(root: nn.Module, loss_fn: Callable[..., Any], args: tuple
             call in a batch of ``n`` (0: not batched), from the provenance layout.
         broadcast_candidate, broadcast_rows: which modules' parameter broadcasts the
             elementwise rule may tap, and the rows per example of one (0: not batched).
+        shared: the layout's ``following`` (:mod:`._rules_shared`): the sites where shared
+            tensors meet the batch are watched too; None when the model has none.
     """
     n = min(batch, PROBE_EXAMPLES)
     if n < 2:
@@ -101,7 +108,7 @@ def check_independence(root: nn.Module, loss_fn: Callable[..., Any], args: tuple
     modes = [(m, m.training) for m in root.modules()]
     try:  # (on private random streams: the caller, probe(), runs it inside private_random_streams())
         return _check(root, loss_fn, sub, kwargs, batch_argnums, has_aux, n, rows_of, broadcast_candidate,
-                      broadcast_rows)
+                      broadcast_rows, shared)
     finally:
         for m, mode in modes:
             m.training = mode
@@ -119,14 +126,14 @@ def private_random_streams() -> Iterator[None]:
 def _check(root: nn.Module, loss_fn: Callable[..., Any], sub: tuple[Any, ...], kwargs: dict[str, Any],
            batch_argnums: tuple[int, ...], has_aux: bool, n: int, rows_of: RowsOf,
            broadcast_candidate: Callable[[nn.Module], bool],
-           broadcast_rows: Callable[[nn.Module, int, torch.Tensor, int], int]) -> str | None:
+           broadcast_rows: Callable[[nn.Module, int, torch.Tensor, int], int], shared: Following | None) -> str | None:
     """The two checks, in eval mode (deterministic: dropout off; the caller restores the modes)."""
     root.eval()
     backward: str | None = None
     for with_inputs in (True, False):  # an input edited in place cannot require grad: watch without it
         try:
             backward = _backward_structure(root, loss_fn, sub, kwargs, batch_argnums, has_aux, n, rows_of,
-                                           broadcast_candidate, broadcast_rows, with_inputs)
+                                           broadcast_candidate, broadcast_rows, with_inputs, shared)
             break
         except Exception as e:  # noqa: BLE001 - the loss cannot be differentiated on the probe
             backward = Uncheckable(f"the loss could not be differentiated on the probe ({type(e).__name__}: "
@@ -142,7 +149,8 @@ def _check(root: nn.Module, loss_fn: Callable[..., Any], sub: tuple[Any, ...], k
 def _backward_structure(root: nn.Module, loss_fn: Callable[..., Any], sub: tuple[Any, ...], kwargs: dict[str, Any],
                         batch_argnums: tuple[int, ...], has_aux: bool, n: int, rows_of: RowsOf,
                         broadcast_candidate: Callable[[nn.Module], bool],
-                        broadcast_rows: Callable[[nn.Module, int, torch.Tensor, int], int], with_inputs: bool) -> str | None:
+                        broadcast_rows: Callable[[nn.Module, int, torch.Tensor, int], int], with_inputs: bool,
+                        shared: Following | None = None) -> str | None:
     watched: list[tuple[str, torch.Tensor, int]] = []  # (where, tensor, rows per example)
     names = {id(m): p or type(m).__name__ for p, m in root.named_modules()}
 
@@ -173,8 +181,21 @@ def _backward_structure(root: nn.Module, loss_fn: Callable[..., Any], sub: tuple
     handles = [m.register_forward_hook(on_call, with_kwargs=True)
                for m in modules if m._parameters or isinstance(m, _BatchNorm)]
     handles += watch(modules, broadcast_candidate, on_use)
+
+    def on_site(k: int, d: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        e = expand_for_site(d, shape, detach=False)
+        if e is None:
+            return d
+        if e.requires_grad:
+            watched.append((f"a shared tensor where it meets the batch (op {k})", e, 1))
+        return e
+
+    following = nullcontext()
+    if shared is not None:
+        following, seeds = shared(modules, n, on_site)
+        handles += seeds
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), following:
             losses = _losses(loss_fn(*run, **kwargs), has_aux)
     finally:
         for h in handles:

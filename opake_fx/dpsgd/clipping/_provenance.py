@@ -36,6 +36,7 @@ from opake_fx.dpsgd.clipping import _registry
 from opake_fx.dpsgd.clipping._independence import UNDECIDED, Uncheckable, check_independence, private_random_streams
 from opake_fx.dpsgd.clipping._rules_elementwise import watch
 from opake_fx.dpsgd.clipping._rules_fallback import FALLBACK
+from opake_fx.dpsgd.clipping._rules_shared import OnSite, OpRecord, SharedTensors, number_reached
 from opake_fx.pytree import NAMESPACE
 
 Shape = tuple[int, ...]
@@ -70,6 +71,42 @@ class BatchLayout:
     # leaf index -> whether its module fallback adds up to its batch gradient (._ghost; decided
     # once per signature, on the first batch where it can be told)
     adds_up: dict[int, bool] = field(default_factory=dict)
+    # The ops that read shared tensors (._rules_shared), in the order a following run numbers
+    # them: (func, template of its result shapes)
+    shared_ops: list[tuple[Any, Template]] = field(default_factory=list)
+
+    def shared_call(self, module: nn.Module, inputs: list[torch.Tensor], outputs: list[torch.Tensor], batch: int) -> bool:
+        """Whether this call's outputs have no batch axis at all (a constant shape at every
+        batch size, by provenance): a shared call (._rules_shared)."""
+        if not outputs:
+            return False
+        found = None
+        for tin, tout, _, _ in self.templates.get(id(module), []):
+            if _matches(tin, inputs, batch) and _matches(tout, outputs, batch):
+                free = all(k == 0 for k, _ in tout)
+                if found is not None and found != free:
+                    return False
+                found = free
+        return bool(found)
+
+    def shared_verdict(self, k: int, func: Any, shapes: list[Shape], batch: int) -> bool | None:
+        """For the ``k``-th op that reads a shared tensor: True when its (single) result has
+        the batch as first axis, False when no result has a batch axis, None otherwise (or
+        when the op is not the one the probe recorded)."""
+        if k >= len(self.shared_ops):
+            return None
+        func_k, template = self.shared_ops[k]
+        if func_k != func or not _matches_shapes(template, shapes, batch):
+            return None
+        if all(kk == 0 for kk, _ in template):
+            return False
+        return True if len(template) == 1 and template[0][0] == 1 else None
+
+    def following(self, modules: list[nn.Module], batch: int, on_site: OnSite | None) -> tuple[SharedTensors, list[Any]]:
+        """A :class:`SharedTensors` mode that follows this layout's shared tensors in a batch of
+        ``batch``, and the hooks (to remove) that seed it with the outputs of shared calls."""
+        mode = SharedTensors(lambda k, func, shapes: self.shared_verdict(k, func, shapes, batch), on_site)
+        return mode, _seed_hooks(modules, mode, lambda m, i, o: self.shared_call(m, i, o, batch))
 
     def lookup(self, module: nn.Module, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
                batch: int) -> tuple[tuple[bool, ...], tuple[bool, ...]] | None:
@@ -158,14 +195,73 @@ def _probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], 
         key: Any = id(a.module) if a.use is None else (id(a.module), a.use)
         if entry not in layout.templates.setdefault(key, []):
             layout.templates[key].append(entry)
+    if any(all(k == 0 for k, _ in tout) and tout and m._parameters
+           for m in root.modules() for _, tout, _, _ in layout.templates.get(id(m), [])):
+        layout.shared_ops = _probe_shared(root, loss_fn, args, kwargs, batch_argnums, batch, layout)
     if batch >= 2:  # with one distinct example nothing can mix
         found = check_independence(root, loss_fn, args, kwargs, batch_argnums, has_aux, batch, layout.rows_per_example,
-                                   _broadcast_candidate, layout.broadcast_rows)
+                                   _broadcast_candidate, layout.broadcast_rows,
+                                   layout.following if layout.shared_ops else None)
         if isinstance(found, Uncheckable):
             return BatchLayout(mixing_checked=True, exact=f"independence of examples could not be checked: {found}")
         if found != UNDECIDED:  # else checked again at the next call (the exact path runs meanwhile)
             layout.mixing_checked, layout.mixing = True, found
     return layout
+
+
+def _probe_shared(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                  batch_argnums: tuple[int, ...], batch: int, layout: BatchLayout) -> list[tuple[Any, Template]]:
+    """Runs the sub-batches again, recording every op that reads a shared call's output (or
+    what follows from it), and keeps the ops a following run reaches, with their templates;
+    empty when the runs disagree or fail (the parameters then keep the exact fallback)."""
+    runs: list[list[OpRecord]] = []
+    modes = [(m, m.training) for m in root.modules()]
+    try:
+        root.eval()
+        for n in _SIZES:
+            index = torch.arange(n) % batch
+            sub = tuple(
+                optree.tree_map(lambda t: t[index.to(t.device)], a, namespace=NAMESPACE) if i in batch_argnums else a
+                for i, a in enumerate(args)
+            )
+            mode = SharedTensors()
+            handles = _seed_hooks(list(root.modules()), mode,
+                                  lambda m, i, o, n=n: layout.shared_call(m, i, o, n))
+            try:
+                with torch.no_grad(), mode:
+                    loss_fn(*sub, **kwargs)
+            except Exception:  # noqa: BLE001 - as in _probe: undecidable
+                return []
+            finally:
+                for h in handles:
+                    h.remove()
+            runs.append(mode.records)
+    finally:
+        for m, was in modes:
+            m.training = was
+
+    def batched(a: OpRecord, b: OpRecord) -> bool | None:
+        template, _ = _template(a.outputs, b.outputs)
+        if all(k == 0 for k, _ in template):
+            return False
+        return True if len(template) == 1 and template[0][0] == 1 else None
+
+    reached = number_reached(runs[0], runs[1], batched)
+    if reached is None:
+        return []
+    return [(func, _template(a.outputs, b.outputs)[0]) for func, a, b in reached]
+
+
+def _seed_hooks(modules: list[nn.Module], mode: SharedTensors,
+                shared: Callable[[nn.Module, list[torch.Tensor], list[torch.Tensor]], bool]) -> list[Any]:
+    """Forward hooks on the modules that own parameters: a shared call's outputs seed ``mode``."""
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        with mode.paused():
+            outputs = tensor_leaves(output)
+            if shared(module, tensor_leaves((args, kwargs)), outputs):
+                mode.seed(outputs)
+
+    return [m.register_forward_hook(hook, with_kwargs=True) for m in modules if m._parameters]
 
 
 def signature(args: tuple[Any, ...], kwargs: dict[str, Any], batch_argnums: tuple[int, ...], training: bool) -> Any:
@@ -241,12 +337,16 @@ def _template(small: list[Shape], large: list[Shape]) -> tuple[Template, tuple[b
 
 
 def _matches(template: Template, tensors: list[torch.Tensor], batch: int) -> bool:
-    if len(template) != len(tensors):
+    return _matches_shapes(template, [tuple(t.shape) for t in tensors], batch)
+
+
+def _matches_shapes(template: Template, shapes: list[Shape], batch: int) -> bool:
+    if len(template) != len(shapes):
         return False
-    for (k, shape), t in zip(template, tensors):
+    for (k, shape), s in zip(template, shapes):
         if k > 0:
-            if t.dim() == 0 or t.shape[0] != k * batch or tuple(t.shape[1:]) != shape:
+            if len(s) == 0 or s[0] != k * batch or tuple(s[1:]) != shape:
                 return False
-        elif k == 0 and tuple(t.shape) != shape:
+        elif k == 0 and tuple(s) != shape:
             return False
     return True
