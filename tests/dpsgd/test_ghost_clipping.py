@@ -51,7 +51,8 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list
 
 
 class ScaleShift(nn.Module):
-    """A custom parameterised module: no rule, so its parameters go to the module fallback."""
+    """A custom parameterised module: no rule, so ``scale`` (not broadcast as it is: through
+    ``exp``) goes to the module fallback; ``shift`` is added, a broadcast the elementwise rule takes."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -59,7 +60,7 @@ class ScaleShift(nn.Module):
         self.shift = nn.Parameter(torch.linspace(-0.2, 0.2, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(x * self.scale + self.shift) * self.scale
+        return torch.tanh(x * torch.exp(self.scale) + self.shift) * torch.exp(self.scale)
 
 
 def test_custom_module_uses_the_module_fallback_only_for_its_parameters(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -127,3 +127,45 @@ def test_property_contribution_at_most_c(backend: str, dtype: torch.dtype, scale
         (out, aux), _ = fn(params, x, y, state=state)
     total = math.sqrt(sum(float(v.double().square().sum()) for v in out.pytree))
     assert total <= c, f"contribution {total} > C = {c} (norm reported {float(aux.grad_norms[0])})"
+
+
+class LayerScale(nn.Module):
+    """A ConvNeXt-style residual branch scaled by a layer-scale vector in the block's own forward."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.dw = nn.Conv2d(D, D, 3, padding=1, groups=D)
+        self.norm = nn.LayerNorm(D)
+        self.pw = nn.Linear(D, D)
+        self.gamma = nn.Parameter(torch.full((D,), 0.5) + 0.1 * torch.randn(D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.pw(self.norm(self.dw(x).permute(0, 2, 3, 1)))
+        if self.how == "mul":
+            y = self.gamma * y
+        elif self.how == "rmul":
+            y = y * self.gamma
+        elif self.how == "div":
+            y = y / (self.gamma + 2.0)  # not a broadcast of gamma itself: its module's fallback
+        elif self.how == "sub":
+            y = y - self.gamma
+        return x + y.permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["mul", "rmul", "sub"])
+@pytest.mark.parametrize("b", [1, 5, D])
+def test_layer_scale_takes_the_elementwise_rule(how: str, b: int, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before the rule took mul/sub, gamma went to the block's module fallback (vmap of its vjp).
+    torch.manual_seed(3)
+    x = torch.randn(b, D, 3, 3, dtype=torch.float64)
+    slow = assert_exact(LayerScale(how), x, backend, monkeypatch)
+    assert not slow, slow
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_parameter_changed_before_its_broadcast_keeps_the_fallback(backend: str) -> None:
+    torch.manual_seed(3)
+    slow = assert_exact(LayerScale("div"), torch.randn(5, D, 3, 3, dtype=torch.float64), backend, None)
+    assert any("gamma" in s for s in slow), slow

@@ -283,3 +283,34 @@ def test_the_guard_leaves_the_callers_random_stream_alone(backend):
     assert torch.equal(torch.rand(3), after_first)
     for a, b in zip(first.pytree, again.pytree):
         assert torch.equal(a, b)
+
+
+class _RolledBroadcast(nn.Module):
+    """A parameter broadcast to the batch (tapped by the elementwise rule), then rolled along
+    the batch: the rows are identical, so no value changes, but example i's loss now reads
+    row i - 1 of the broadcast, and the rule would give example i - 1 its gradient."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.lin = nn.Linear(3, 4)
+        self.pos = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ones = torch.ones_like(h).detach()
+        b = ones + self.pos if self.op == "add" else ones * self.pos
+        return (h * b.roll(1, 0)).sum(1)
+
+
+@pytest.mark.parametrize("op", ["add", "mul"])
+@pytest.mark.parametrize("backend", ["ghost", "auto"])
+def test_mixing_seen_only_in_a_parameter_broadcast_is_refused(backend, op):
+    # The guard watched the broadcast's value, which the op did not use (no gradient reached it):
+    # this passed the guard before, and the per-example norms of `pos` went to the wrong examples.
+    model = _RolledBroadcast(op).double()
+    fmodel, params = make_functional(model)
+    fn, state = clipped_grad(lambda p, x: fmodel(p, x), clipping_norm=1.0, batch_argnums=1, clip_backend=backend,
+                             model=fmodel)
+    with pytest.raises(InputValueError, match="mixes examples"):
+        fn(params, torch.randn(6, 3, dtype=torch.float64), state=state)

@@ -15,7 +15,8 @@ from tests.dpsgd.test_ghost_layers import reference
 
 
 class Scale(nn.Module):
-    """``y = x * s + t`` elementwise over the last axis."""
+    """``y = x * s + t`` elementwise over the last axis (one ``addcmul``: no broadcast of a
+    parameter that the elementwise rule would take, so without a registered rule it falls back)."""
 
     def __init__(self, d: int) -> None:
         super().__init__()
@@ -23,7 +24,7 @@ class Scale(nn.Module):
         self.t = nn.Parameter(torch.randn(d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.s + self.t
+        return torch.addcmul(self.t, x, self.s)
 
 
 def scale_rule(module: Scale, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:

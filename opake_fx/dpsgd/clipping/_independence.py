@@ -164,6 +164,9 @@ def _backward_structure(root: nn.Module, loss_fn: Callable[..., Any], sub: tuple
     def on_use(module: nn.Module, use: int, name: str, expanded: torch.Tensor) -> torch.Tensor:
         k = broadcast_rows(module, use, expanded, n)
         if k > 0 and expanded.requires_grad:
+            # a new view, so that the op is recomputed from it (the broadcast's own value is not
+            # in the graph) and its rows are the ones the rule reads
+            expanded = expanded.view_as(expanded)
             watched.append((f"the broadcast of '{names.get(id(module), '?')}.{name}'", expanded, k))
         return expanded
 

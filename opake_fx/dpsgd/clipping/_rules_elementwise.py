@@ -2,17 +2,18 @@
 
 ViT's embeddings module holds ``cls_token`` ``[1, 1, D]`` and ``position_embeddings``
 ``[1, T, D]`` and uses them outside any submodule call: ``cls_token.expand(B, -1, -1)``
-(then concatenated to the patch embeddings) and ``embeddings + position_embeddings``.
-Such a use is a *broadcast* of the parameter ``P`` to a tensor ``E`` whose first axis is
-the batch: ``E = P.expand(B, ...)``, or ``x + P`` = ``x + P.expand(out.shape)``. Example
-``i``'s gradient of ``P`` is then ``g_i`` (the gradient of the batch loss w.r.t. ``E``'s
-row ``i``) summed over the axes ``P`` was broadcast along: ``[B, *P.shape]``, as small as
-the parameter, computed directly.
+(then concatenated to the patch embeddings) and ``embeddings + position_embeddings``;
+a ConvNeXt block scales its branch by a layer-scale vector, ``gamma * y``. Such a use is a
+*broadcast* of the parameter ``P`` to a tensor ``E`` whose first axis is the batch:
+``E = P.expand(B, ...)``, or ``x op P`` = ``x op P.expand(out.shape)`` for ``op`` one of
+``+ - * /``. Example ``i``'s gradient of ``P`` is then ``g_i`` (the gradient of the batch
+loss w.r.t. ``E``'s row ``i``, e.g. ``dL/dout_i * x_i`` for a product) summed over the axes
+``P`` was broadcast along: ``[B, *P.shape]``, as small as the parameter, computed directly.
 
 While a module without a rule runs its ``forward``, a torch function mode
 (:class:`Broadcasts`) watches the calls whose operand *is* one of the parameters the
-module holds directly: ``Tensor.expand`` / ``expand_as``, and ``add`` with the parameter
-as one of two operands (``alpha`` 1, no ``out``). Each such use is numbered within the
+module holds directly: ``Tensor.expand`` / ``expand_as``, and ``add``, ``sub``, ``mul``,
+``div`` with the parameter as one of two operands (no keyword arguments). Each such use is numbered within the
 call; whether ``E``'s first axis is the batch is decided by provenance (the probe of
 :mod:`._provenance` records the same uses at sub-batches of 2 and 3), never by a size.
 A use that passes is replaced by the same value through a tap, and the parameter leaves
@@ -38,6 +39,11 @@ from opake_fx.dpsgd.clipping._rule import BuildContext, Rule
 
 _EXPAND = (torch.Tensor.expand, torch.Tensor.expand_as)
 _ADD = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)
+# Other two-operand elementwise ops a parameter may broadcast through (a layer scale ``x * gamma``):
+# the tap's gradient is then the parameter's own (``g * x`` for a product), summed as for add.
+_OTHER = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
+          torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__,
+          torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__)
 
 #: ``(module, use number, parameter name, E) -> replacement for E`` (or E itself)
 OnUse = Callable[[nn.Module, int, str, torch.Tensor], torch.Tensor]
@@ -68,12 +74,11 @@ class Broadcasts(TorchFunctionMode):
         param = next(a for a in args if isinstance(a, torch.Tensor) and self.params.get(id(a)) == name)
         if func in _EXPAND:
             return self.on_use(self.module, k, name, out)
-        other = args[1] if args[0] is param else args[0]
         expanded = param.expand(out.shape)
         tapped = self.on_use(self.module, k, name, expanded)
         if tapped is expanded:
             return out
-        return other + tapped if args[1] is param else tapped + other
+        return func(*(tapped if a is param else a for a in args))
 
     def _broadcast_of(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> str | None:
         """The parameter's name when the call broadcasts one of ours to a new leading axis."""
@@ -82,14 +87,14 @@ class Broadcasts(TorchFunctionMode):
         if func in _EXPAND:
             name = self.params.get(id(args[0]))
             param = args[0]
-        elif func in _ADD and len(args) == 2 and not kwargs and isinstance(args[1], torch.Tensor):
+        elif (func in _ADD or func in _OTHER) and len(args) == 2 and not kwargs and isinstance(args[1], torch.Tensor):
             a, b = self.params.get(id(args[0])), self.params.get(id(args[1]))
             if (a is None) == (b is None):
                 return None  # no parameter of ours, or two
             name = a or b
             param = args[0] if a is not None else args[1]
             if out.dtype != param.dtype:
-                return None  # a type promotion would make the sum not `other + P`
+                return None  # a type promotion would make the result not `op(other, P)`
         else:
             return None
         if name is None:
