@@ -70,6 +70,9 @@ class Case:
     trainable: Callable[[str], bool] | None = None
     hf: bool = False
     slow: bool = False
+    # Why ghost/auto still take the whole-loss fallback for some parameters (None: they never
+    # do; checked both ways by test_model_zoo.test_zoo_whole_loss_fallback_as_listed).
+    whole_loss: str | None = None
 
 
 # --- data ----------------------------------------------------------------------------------
@@ -206,6 +209,61 @@ def llama_lora() -> nn.Module:
     return model
 
 
+# Issue 29's architectures: 2 layers where the model has a stack, width HIDDEN.
+
+
+def opt() -> nn.Module:
+    cfg = transformers.OPTConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=2, ffn_dim=32,
+                                 max_position_embeddings=32, word_embed_proj_dim=HIDDEN, dropout=0.0,
+                                 attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=1, **_hf_common())
+    return transformers.OPTForCausalLM(cfg)
+
+
+def gemma() -> nn.Module:
+    cfg = transformers.GemmaConfig(hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=2, num_attention_heads=HEADS,
+                                   num_key_value_heads=2, head_dim=4, max_position_embeddings=32, attention_dropout=0.0,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=1, **_hf_common())
+    model = transformers.GemmaForCausalLM(cfg)
+    with torch.no_grad():  # (1 + w) norms start at w = 0; make the weights matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+def falcon() -> nn.Module:
+    cfg = transformers.FalconConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=2, hidden_dropout=0.0,
+                                    attention_dropout=0.0, new_decoder_architecture=False, multi_query=True, alibi=False,
+                                    parallel_attn=True, bias=False, pad_token_id=0, bos_token_id=1, eos_token_id=1,
+                                    **_hf_common())
+    return transformers.FalconForCausalLM(cfg)
+
+
+def distilbert() -> nn.Module:
+    cfg = transformers.DistilBertConfig(dim=HIDDEN, n_heads=HEADS, n_layers=2, hidden_dim=32, max_position_embeddings=16,
+                                        dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0, num_labels=3,
+                                        pad_token_id=0, vocab_size=VOCAB)
+    return transformers.DistilBertForSequenceClassification(cfg)
+
+
+def deberta_v2() -> nn.Module:
+    cfg = transformers.DebertaV2Config(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=2,
+                                       intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0, relative_attention=True, position_buckets=4,
+                                       pos_att_type=["p2c", "c2p"], max_relative_positions=8, num_labels=3,
+                                       type_vocab_size=0, position_biased_input=False, pad_token_id=0, vocab_size=VOCAB)
+    return transformers.DebertaV2ForSequenceClassification(cfg)
+
+
+def bart() -> nn.Module:
+    cfg = transformers.BartConfig(d_model=HIDDEN, encoder_layers=1, decoder_layers=1, encoder_attention_heads=HEADS,
+                                  decoder_attention_heads=HEADS, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                                  max_position_embeddings=16, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=1, decoder_start_token_id=1,
+                                  **_hf_common())
+    return transformers.BartForConditionalGeneration(cfg)
+
+
 def text_batch(b: int, gen: torch.Generator) -> Batch:
     return padded_ids(b, gen)
 
@@ -227,6 +285,12 @@ def cls_batch(b: int, gen: torch.Generator) -> Batch:
 
 def bert_cls_loss(fmodel: Any, p: Any, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits = fmodel(p, input_ids=ids, attention_mask=mask, position_ids=positions(ids)).logits
+    return F.cross_entropy(logits, labels, reduction="none")
+
+
+def cls_loss(fmodel: Any, p: Any, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Classification with the model's own positions (no position_ids: shared [T] lookups)."""
+    logits = fmodel(p, input_ids=ids, attention_mask=mask).logits
     return F.cross_entropy(logits, labels, reduction="none")
 
 
@@ -281,6 +345,16 @@ def t5_unpadded_loss(fmodel: Any, p: Any, ids: torch.Tensor, labels: torch.Tenso
     return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none").mean(1)
 
 
+def seq2seq_batch(b: int, gen: torch.Generator) -> Batch:
+    ids, mask = padded_ids(b, gen)
+    return ids, mask, torch.randint(2, VOCAB, (b, T5_DEC), generator=gen)
+
+
+def bart_loss(fmodel: Any, p: Any, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = fmodel(p, input_ids=ids, attention_mask=mask, decoder_input_ids=labels).logits
+    return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none").mean(1)
+
+
 def vit_batch(b: int, gen: torch.Generator) -> Batch:
     return torch.randn(b, 3, VIT_IMAGE, VIT_IMAGE, generator=gen), torch.randint(0, 3, (b,), generator=gen)
 
@@ -312,6 +386,43 @@ class GroupNormResNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+class ConvNeXtBlock(nn.Module):
+    """A ConvNeXt block: depthwise 7x7 conv, channels-last LayerNorm, pointwise MLP, layer scale."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 2, stride=2)
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.pw1, self.pw2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        self.gamma = nn.Parameter(torch.full((c,), 0.5))
+        self.head = nn.Linear(c, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        y = self.pw2(F.gelu(self.pw1(self.norm(self.dw(x).permute(0, 2, 3, 1)))))
+        x = x + (self.gamma * y).permute(0, 3, 1, 2)
+        return self.head(x.mean((2, 3)))
+
+
+class BiGRU(nn.Module):
+    """A 2-layer bidirectional GRU classifier over token ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.rnn = nn.GRU(8, 8, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.emb(ids))
+        return self.head(out.mean(1))
+
+
+def ids_cls_batch(b: int, gen: torch.Generator) -> Batch:
+    return torch.randint(0, VOCAB, (b, SEQ), generator=gen), torch.randint(0, 3, (b,), generator=gen)
 
 
 def image_batch(c: int, hw: int, classes: int) -> Callable[[int, torch.Generator], Batch]:
@@ -477,6 +588,8 @@ def _hf(name: str, model: Callable[[], nn.Module], batch: Any, loss: LossFn, siz
 
 
 TEXT_SIZES = {"odd": 5, "B=T": SEQ, "B=heads": HEADS}
+RNN_STATE = ("h_n (and c_n) carry the batch on their second axis, so a recurrent call is not decided batched "
+             "first and its weights take the whole-loss path (a recurrent rule is still to come)")
 
 CASES: list[Case] = [
     _hf("llama", llama, text_batch, lm_loss, {**TEXT_SIZES, "B=kv_heads": 2}),
@@ -506,16 +619,32 @@ CASES: list[Case] = [
     Case("transformer_encoder", Encoder, cls_batch, encoder_loss, TEXT_SIZES, FAST),
     # LSTM/GRU: a rule or an exact routed fallback (with a warning) are both acceptable.
     Case("lstm", lambda: Recurrent(nn.LSTM), seq_batch, mse_loss, {"odd": 5, "B=T": SEQ, "B=layers": 1},
-         {"vmap": "any", "ghost": "any", "auto": "any"}),
+         {"vmap": "any", "ghost": "any", "auto": "any"}, whole_loss=RNN_STATE),
     Case("gru", lambda: Recurrent(nn.GRU), seq_batch, mse_loss, {"odd": 5, "B=T": SEQ, "B=layers": 1},
-         {"vmap": "any", "ghost": "any", "auto": "any"}),
+         {"vmap": "any", "ghost": "any", "auto": "any"}, whole_loss=RNN_STATE),
     Case("lstm_2layer", lambda: Recurrent(nn.LSTM, layers=2), seq_batch, mse_loss, {"odd": 5, "B=T": SEQ, "B=layers": 2},
-         {"vmap": "any", "ghost": "any", "auto": "any"}),
+         {"vmap": "any", "ghost": "any", "auto": "any"}, whole_loss=RNN_STATE),
     Case("lstm_2layer_h_n", lambda: Recurrent(nn.LSTM, layers=2, from_state=True), seq_batch, mse_loss,
-         {"odd": 5, "B=T": SEQ, "B=layers": 2}, {"vmap": "any", "ghost": "any", "auto": "any"}),
+         {"odd": 5, "B=T": SEQ, "B=layers": 2}, {"vmap": "any", "ghost": "any", "auto": "any"}, whole_loss=RNN_STATE),
     Case("shared_linear", SharedLinear, shared_batch, mse_loss, {"odd": 5, "B=d": 4, "B=T": 3}, FAST),
     Case("grouped_dilated_conv", Convs, image_batch(4, 6, 3), ce_loss,
          {"odd": 5, "B=C_in": 4, "B=H=W": 6, "B=groups": 2}, FAST),
+    # Issue 29's architectures.
+    _hf("opt", opt, text_batch, lm_loss, TEXT_SIZES, {"vmap": "any", "ghost": "slow", "auto": "slow"},
+        whole_loss="OPT's decoder layers flatten the batch with the positions ([B * T, d]) before fc1/fc2 and the "
+                   "final layer norm: rows per example are not decided by provenance"),
+    _hf("gemma", gemma, text_batch, lm_loss, TEXT_SIZES, {"vmap": "any", "ghost": "slow", "auto": "slow"}),
+    _hf("falcon", falcon, text_batch, lm_loss, TEXT_SIZES, {"vmap": "any", "ghost": "slow", "auto": "slow"}),
+    _hf("distilbert", distilbert, cls_batch, cls_loss, {**TEXT_SIZES, "B=labels": 3}, {"vmap": "any"}),
+    _hf("deberta_v2", deberta_v2, cls_batch, cls_loss, {**TEXT_SIZES, "B=buckets": 4},
+        {"vmap": "any", "ghost": "slow", "auto": "slow"},
+        whole_loss="the relative-position projections meet the batch through repeat + bmm over [B * heads] "
+                   "rows, which the shared-tensor rule does not take"),
+    _hf("bart", bart, seq2seq_batch, bart_loss, {"odd": 3, "B=T_enc": SEQ, "B=T_dec": T5_DEC, "B=heads": HEADS},
+        {"vmap": "any", "ghost": "slow", "auto": "slow"}),
+    Case("convnext_block", ConvNeXtBlock, image_batch(3, 8, 3), ce_loss, {"odd": 5, "B=C": 4, "B=H=W": 4}, FAST),
+    Case("bigru", BiGRU, ids_cls_batch, ce_loss, {"odd": 5, "B=T": SEQ, "B=layers*dirs": 4},
+         {"vmap": "any", "ghost": "slow", "auto": "slow"}, whole_loss=RNN_STATE),
     Case("embedding_bag", Bag2d, bag_batch, ce_loss, {"odd": 5, "B=L": BAG_LEN, "B=dim": 8}, FAST),
     # The flat form: the ids tensor has no batch axis; total tokens can equal B.
     Case("embedding_bag_offsets", BagOffsets, bag_offsets_batch, bag_offsets_loss, {"odd": 5, "B=L": BAG_LEN, "B=dim": 8},

@@ -180,3 +180,19 @@ def test_mixing_model_under_vmap_is_per_example() -> None:
     prep = Z.Prepared(fmodel, params, list(fmodel.param_names), batched, (x, y))
     run = Z.run_backend("vmap", prep, c, error_on_slow=True)
     Z.compare(prep, run, want, norms)
+
+
+@pytest.mark.parametrize("name", [c.name for c in Z.CASES if not c.slow])
+def test_zoo_whole_loss_fallback_as_listed(name: str) -> None:
+    """ghost/auto take the whole-loss fallback exactly where the zoo lists why (issue 29: no
+    whole-loss fallback on the models people fine-tune; the rest named with their reason)."""
+    case = Z.BY_NAME[name]
+    if case.hf and (Z.transformers is None or Z.peft is None):
+        pytest.skip("needs the hf extra (transformers, peft)")
+    prep = Z.prepare(case, next(iter(case.sizes.values())))
+    run = Z.run_backend("auto", prep, 1.0)
+    whole = [w for w in run.warnings if "whole-loss fallback" in w and "parameter(s)" in w]
+    if case.whole_loss is None:
+        assert not whole, whole
+    else:
+        assert whole, f"{name} no longer takes the whole-loss fallback: drop its whole_loss reason"
