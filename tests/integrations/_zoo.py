@@ -588,8 +588,6 @@ def _hf(name: str, model: Callable[[], nn.Module], batch: Any, loss: LossFn, siz
 
 
 TEXT_SIZES = {"odd": 5, "B=T": SEQ, "B=heads": HEADS}
-RNN_STATE = ("h_n (and c_n) carry the batch on their second axis, so a recurrent call is not decided batched "
-             "first and its weights take the whole-loss path (a recurrent rule is still to come)")
 
 CASES: list[Case] = [
     _hf("llama", llama, text_batch, lm_loss, {**TEXT_SIZES, "B=kv_heads": 2}),
@@ -619,13 +617,13 @@ CASES: list[Case] = [
     Case("transformer_encoder", Encoder, cls_batch, encoder_loss, TEXT_SIZES, FAST),
     # LSTM/GRU: a rule or an exact routed fallback (with a warning) are both acceptable.
     Case("lstm", lambda: Recurrent(nn.LSTM), seq_batch, mse_loss, {"odd": 5, "B=T": SEQ, "B=layers": 1},
-         {"vmap": "any", "ghost": "any", "auto": "any"}, whole_loss=RNN_STATE),
+         {"vmap": "any", "ghost": "any", "auto": "any"}),
     Case("gru", lambda: Recurrent(nn.GRU), seq_batch, mse_loss, {"odd": 5, "B=T": SEQ, "B=layers": 1},
-         {"vmap": "any", "ghost": "any", "auto": "any"}, whole_loss=RNN_STATE),
+         {"vmap": "any", "ghost": "any", "auto": "any"}),
     Case("lstm_2layer", lambda: Recurrent(nn.LSTM, layers=2), seq_batch, mse_loss, {"odd": 5, "B=T": SEQ, "B=layers": 2},
-         {"vmap": "any", "ghost": "any", "auto": "any"}, whole_loss=RNN_STATE),
+         {"vmap": "any", "ghost": "any", "auto": "any"}),
     Case("lstm_2layer_h_n", lambda: Recurrent(nn.LSTM, layers=2, from_state=True), seq_batch, mse_loss,
-         {"odd": 5, "B=T": SEQ, "B=layers": 2}, {"vmap": "any", "ghost": "any", "auto": "any"}, whole_loss=RNN_STATE),
+         {"odd": 5, "B=T": SEQ, "B=layers": 2}, {"vmap": "any", "ghost": "any", "auto": "any"}),
     Case("shared_linear", SharedLinear, shared_batch, mse_loss, {"odd": 5, "B=d": 4, "B=T": 3}, FAST),
     Case("grouped_dilated_conv", Convs, image_batch(4, 6, 3), ce_loss,
          {"odd": 5, "B=C_in": 4, "B=H=W": 6, "B=groups": 2}, FAST),
@@ -644,7 +642,7 @@ CASES: list[Case] = [
         {"vmap": "any", "ghost": "slow", "auto": "slow"}),
     Case("convnext_block", ConvNeXtBlock, image_batch(3, 8, 3), ce_loss, {"odd": 5, "B=C": 4, "B=H=W": 4}, FAST),
     Case("bigru", BiGRU, ids_cls_batch, ce_loss, {"odd": 5, "B=T": SEQ, "B=layers*dirs": 4},
-         {"vmap": "any", "ghost": "slow", "auto": "slow"}, whole_loss=RNN_STATE),
+         {"vmap": "any", "ghost": "slow", "auto": "slow"}),
     Case("embedding_bag", Bag2d, bag_batch, ce_loss, {"odd": 5, "B=L": BAG_LEN, "B=dim": 8}, FAST),
     # The flat form: the ids tensor has no batch axis; total tokens can equal B.
     Case("embedding_bag_offsets", BagOffsets, bag_offsets_batch, bag_offsets_loss, {"odd": 5, "B=L": BAG_LEN, "B=dim": 8},

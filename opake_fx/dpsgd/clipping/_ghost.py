@@ -224,14 +224,16 @@ class _NormBackend:
 class _Use:
     """One call of one module that used differentiated parameters."""
 
-    __slots__ = ("module", "rule", "names", "spec", "items", "positions", "batched", "n_out", "bound", "pending", "block")
+    __slots__ = ("module", "rule", "names", "spec", "items", "positions", "axes_in", "axes_out", "n_out", "bound", "pending",
+                 "block")
 
     def __init__(self, module: nn.Module, rule: Rule, names: dict[str, int]) -> None:
         self.module, self.rule, self.names = module, rule, names  # rule: its registry entry
         self.spec: Any = None  # fallback only: structure of (args, kwargs) and its non-tensor items
         self.items: list[Any] = []
         self.positions: list[int] = []  # where the saved tensors go in ``items``
-        self.batched: list[bool] = []  # fallback only: which saved tensors carry the batch axis first
+        self.axes_in: list[int | None] = []  # fallback only: each saved tensor's batch axis (None: not split)
+        self.axes_out: list[int] = []  # fallback only: each output's batch axis
         self.n_out = 0
         self.bound: dict[str, torch.Tensor] | None = None  # fallback only: params and buffers it used
         self.pending: tuple[tuple[torch.Tensor, ...], tuple[Any, ...]] | None = None  # fallback: (inputs, grads)
@@ -441,7 +443,7 @@ class _Capture:
             use.n_out = len(outputs)
             if rule.deferred:
                 use.spec, use.positions = spec, positions
-                use.batched = [batched.get(id(items[k]), False) for k in positions]
+                use.axes_in, use.axes_out = rule.batch_axes(module, args, kwargs, inputs, outputs, batched)
                 use.items = [None if isinstance(t, torch.Tensor) else t for t in items]
                 use.bound = {**dict(module.named_parameters()), **dict(module.named_buffers())}
             self.uses.append(use)
@@ -659,8 +661,9 @@ def _fallback_rule(use: _Use, names: dict[str, int], batch: int) -> Any:
     for k, t in zip(use.positions, saved):
         items[k] = t
     args, kwargs = optree.tree_unflatten(use.spec, items)
+    split = [(k, ax) for k, ax in zip(use.positions, use.axes_in) if ax is not None]
     return FB.module_per_example(use.module, use.bound or {}, list(names), tuple(args), kwargs, list(grads), batch,
-                                [k for k, b in zip(use.positions, use.batched) if b])
+                                [k for k, _ in split], [ax for _, ax in split], use.axes_out)
 
 
 def _leaf_use_counts(losses: torch.Tensor, index: dict[int, int]) -> dict[int, int]:

@@ -104,6 +104,12 @@ class Rule:
         rules with :attr:`rewrites`)."""
         return None
 
+    def batch_axes(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: list[torch.Tensor],
+                   outputs: list[torch.Tensor], batched: dict[int, bool]) -> tuple[list[int | None], list[int]]:
+        """For a deferred call: the batch axis of each tensor input (None: not split per
+        example) and of each output. Default: the first axis of those found batched."""
+        return [0 if batched.get(id(t), False) else None for t in inputs], [0] * len(outputs)
+
     def batched(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], outputs: list[torch.Tensor],
                 batched: dict[int, bool]) -> bool:
         """Whether the call carries the batch as the first dimension of its outputs and of

@@ -36,25 +36,30 @@ def module_per_example(
     grads_out: list[torch.Tensor | None],
     batch: int,
     batched: list[int],
+    in_axes: list[int] | None = None,
+    out_axes: list[int] | None = None,
 ) -> N.PerExampleGrad:
     """Fallback rule: per-example gradients of ``diff_names`` by ``vmap`` of the module's vjp.
 
     ``bound`` holds every parameter and buffer the call used (names relative to
     ``module``); ``grads_out`` the gradient of each tensor output (``None``: no gradient
     reached it). The tensor arguments at ``batched`` (flattened positions of ``(args,
-    kwargs)``, found by provenance, never by size) are split per example; others are
-    broadcast.
+    kwargs)``, found by provenance, never by size) are split per example along ``in_axes``
+    (default: their first axis); others are broadcast. ``out_axes``: the batch axis of each
+    output (default: the first; a recurrent layer's ``h_n`` carries it second).
     """
     flat, spec = optree.tree_flatten((args, kwargs))
     positions = list(batched)
+    axes = list(in_axes) if in_axes is not None else [0] * len(positions)
     used = [k for k, go in enumerate(grads_out) if go is not None]
+    used_axes = [out_axes[k] if out_axes is not None else 0 for k in used]
     diff = {n: bound[n].detach() for n in diff_names}
     const = {n: t.detach() for n, t in bound.items() if n not in diff}
 
     def call(params: dict[str, torch.Tensor], xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         items = list(flat)
-        for k, x in zip(positions, xs):
-            items[k] = x.unsqueeze(0)
+        for k, ax, x in zip(positions, axes, xs):
+            items[k] = x.unsqueeze(ax)
         a, kw = optree.tree_unflatten(spec, items)
         out = torch.func.functional_call(module, {**const, **params}, tuple(a), kw)
         outs = [o for o in optree.tree_leaves(out) if isinstance(o, torch.Tensor)]
@@ -62,19 +67,20 @@ def module_per_example(
 
     def one(xs: tuple[torch.Tensor, ...], gs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
         _, vjp_fn = torch.func.vjp(lambda p: call(p, xs), diff)
-        return vjp_fn(tuple(go.unsqueeze(0) for go in gs))[0]
+        return vjp_fn(tuple(go.unsqueeze(ax) for go, ax in zip(gs, used_axes)))[0]
 
     def one_by_autograd(xs: tuple[torch.Tensor, ...], gs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
         params = {n: t.detach().requires_grad_(True) for n, t in diff.items()}
         with torch.enable_grad():
             outs = call(params, xs)
-            got = torch.autograd.grad(outs, list(params.values()), [go.unsqueeze(0) for go in gs], allow_unused=True)
+            got = torch.autograd.grad(outs, list(params.values()), [go.unsqueeze(ax) for go, ax in zip(gs, used_axes)],
+                                      allow_unused=True)
         return {n: torch.zeros_like(params[n]) if g is None else g for n, g in zip(params, got)}
 
     if not used:
         return N.PerExampleGrad({n: torch.zeros((batch, *diff[n].shape), dtype=diff[n].dtype, device=diff[n].device) for n in diff_names})
-    xs = tuple(flat[k] for k in positions)
-    gs = tuple(grads_out[k] for k in used)
+    xs = tuple(flat[k].movedim(ax, 0) for k, ax in zip(positions, axes))
+    gs = tuple(grads_out[k].movedim(ax, 0) for k, ax in zip(used, used_axes))
     return N.PerExampleGrad(dict(map_examples(one, (0, 0), (xs, gs), batch, what=f"the fallback of {type(module).__name__}",
                                               loop_fn=one_by_autograd)))
 
