@@ -628,9 +628,10 @@ CASES: list[Case] = [
     Case("grouped_dilated_conv", Convs, image_batch(4, 6, 3), ce_loss,
          {"odd": 5, "B=C_in": 4, "B=H=W": 6, "B=groups": 2}, FAST),
     # Issue 29's architectures.
-    _hf("opt", opt, text_batch, lm_loss, TEXT_SIZES, {"vmap": "any", "ghost": "slow", "auto": "slow"},
-        whole_loss="OPT's decoder layers flatten the batch with the positions ([B * T, d]) before fc1/fc2 and the "
-                   "final layer norm: rows per example are not decided by provenance"),
+    # OPT's decoder layers flatten the batch with the positions ([B * T, d]) before fc1/fc2 and
+    # the final layer norm: read as T consecutive rows per example (the grouping proven by the
+    # independence check); its mask-derived positions take the per-module fallback.
+    _hf("opt", opt, text_batch, lm_loss, TEXT_SIZES, {"vmap": "any", "ghost": "slow", "auto": "slow"}),
     _hf("gemma", gemma, text_batch, lm_loss, TEXT_SIZES, {"vmap": "any", "ghost": "slow", "auto": "slow"}),
     _hf("falcon", falcon, text_batch, lm_loss, TEXT_SIZES, {"vmap": "any", "ghost": "slow", "auto": "slow"}),
     _hf("distilbert", distilbert, cls_batch, cls_loss, {**TEXT_SIZES, "B=labels": 3}, {"vmap": "any"}),

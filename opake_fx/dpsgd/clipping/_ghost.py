@@ -52,7 +52,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from opake_fx.dpsgd.clipping import _numerics as N
 from opake_fx.dpsgd.clipping import _registry
 from opake_fx.dpsgd.clipping import _rules_fallback as FB
-from opake_fx.dpsgd.clipping._rule import BuildContext, Rule
+from opake_fx.dpsgd.clipping._rule import BuildContext, Rule, first_input
 from opake_fx.dpsgd.clipping._rules_elementwise import ELEMENTWISE, watch
 from opake_fx.dpsgd.clipping._rules_fallback import FALLBACK
 from opake_fx.dpsgd.clipping._rules_shared import SharedTensors, expand_for_site
@@ -221,11 +221,15 @@ class _NormBackend:
         return PerExampleNorms(sq, weighted_sum, losses.detach(), loss_aux)
 
 
+#: Rules whose calls may read ``[k B, ...]`` rows as ``[B, k, ...]`` (row-wise layers).
+_GROUPED_KINDS = frozenset({"linear", "linear_t", "norm"})
+
+
 class _Use:
     """One call of one module that used differentiated parameters."""
 
     __slots__ = ("module", "rule", "names", "spec", "items", "positions", "axes_in", "axes_out", "n_out", "bound", "pending",
-                 "block")
+                 "block", "group")
 
     def __init__(self, module: nn.Module, rule: Rule, names: dict[str, int]) -> None:
         self.module, self.rule, self.names = module, rule, names  # rule: its registry entry
@@ -238,6 +242,7 @@ class _Use:
         self.bound: dict[str, torch.Tensor] | None = None  # fallback only: params and buffers it used
         self.pending: tuple[tuple[torch.Tensor, ...], tuple[Any, ...]] | None = None  # fallback: (inputs, grads)
         self.block: tuple[int, int] | None = None  # attention projections: rows of in_proj_weight they use
+        self.group = 0  # k > 1: the call reads [k B, ...] rows, k consecutive rows per example
 
 
 class _Tap(torch.autograd.Function):
@@ -396,6 +401,9 @@ class _Capture:
             )
         batched = self._verdict(module, args, kwargs, output)  # id(tensor) -> carries the batch axis first
         rule = _registry.lookup(module)
+        group = self._group(rule, module, args, kwargs, output)
+        if group:  # [k B, ...] rows, k per example: the rule reads them as [B, k, ...]
+            batched = {**batched, **{id(t): True for t in [first_input(args, kwargs), *tensor_leaves(output)]}}
         names = {}
         held = self._held_by_children(module)
         broadcast = self.broadcast.pop(id(module), ())  # taken by the elementwise rule in this call
@@ -441,6 +449,7 @@ class _Capture:
         if self.recording:  # (not during a checkpoint's recomputation in the backward pass)
             use = _Use(module, rule, names)
             use.n_out = len(outputs)
+            use.group = group if not rule.deferred else 0
             if rule.deferred:
                 use.spec, use.positions = spec, positions
                 use.axes_in, use.axes_out = rule.batch_axes(module, args, kwargs, inputs, outputs, batched)
@@ -520,6 +529,23 @@ class _Capture:
                 g = torch.zeros((self.batch, *leaf.shape), dtype=leaf.dtype, device=leaf.device)
             out[i] = N.as_dtype(g, N.compute_dtype(leaf.dtype))
         return out
+
+    def _group(self, rule: Rule, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> int:
+        """``k > 1`` when this call of a row-wise rule (Linear, Conv1D, LayerNorm/GroupNorm/RMSNorm)
+        reads ``[k B, ...]`` input and output rows, ``k`` consecutive rows per example (OPT's
+        decoder layers flatten the batch with the positions): the layout says so by provenance and
+        the independence check proved the grouping; else 0."""
+        if rule.kind not in _GROUPED_KINDS or not self.layout.grouped or not self.batch:
+            return 0
+        a, outputs = first_input(args, kwargs), tensor_leaves(output)
+        if not isinstance(a, torch.Tensor) or a.dim() < 2 or len(outputs) != 1:
+            return 0
+        rows = self.layout.rows(module, tensor_leaves((args, kwargs)), outputs, self.batch)
+        if rows is None:
+            return 0
+        k_in = dict(zip((id(t) for t in tensor_leaves((args, kwargs))), rows[0])).get(id(a), 0)
+        k = rows[1][0]
+        return k if k > 1 and k_in == k and a.shape[0] == k * self.batch == outputs[0].shape[0] else 0
 
     def _held_by_children(self, module: nn.Module) -> set[int]:
         """Ids of the parameters a submodule also holds (``decoder.bias = self.bias`` in BERT's
@@ -617,6 +643,10 @@ class _Report:
         if g is None:  # the output does not reach the loss: zero gradient
             cap.rules[id(use)] = None
             return
+        if use.group:  # k consecutive rows per example: [B, k, ...]
+            b = cap.batch
+            saved = tuple(t.reshape(b, use.group, *t.shape[1:]) for t in saved)
+            g = g.reshape(b, use.group, *g.shape[1:])
         ctx = BuildContext(mode=cap.mode, dtype=cap.leaves[next(iter(names.values()))].dtype,
                            shared=any(i in cap.multi for i in names.values()),  # a tied table: cross terms
                            checked=cap.rules_checked, block=use.block)

@@ -74,6 +74,10 @@ class BatchLayout:
     # The ops that read shared tensors (._rules_shared), in the order a following run numbers
     # them: (func, template of its result shapes)
     shared_ops: list[tuple[Any, Template]] = field(default_factory=list)
+    # Whether calls on [k B, ...] rows (a batch flattened with the positions, k > 1) are read as
+    # k consecutive rows per example: proven by the independence check, which watches those
+    # rows in groups; switched off (those calls take the exact path) when it cannot pass so.
+    grouped: bool = True
 
     def shared_call(self, module: nn.Module, inputs: list[torch.Tensor], outputs: list[torch.Tensor], batch: int) -> bool:
         """Whether this call's outputs have no batch axis at all (a constant shape at every
@@ -121,9 +125,26 @@ class BatchLayout:
 
     def rows_per_example(self, module: nn.Module, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
                          batch: int) -> list[int]:
-        """1 for each output the rules read as batched (first axis the batch), else 0."""
-        found = self.lookup(module, inputs, outputs, batch)
-        return [int(v) for v in found[1]] if found is not None else [0] * len(outputs)
+        """For each output the rules read: 1 (batch first), ``k`` for ``k`` consecutive rows per
+        example (``[k B, ...]``, read in groups while :attr:`grouped`), else 0."""
+        if self.grouped:
+            found = self.rows(module, inputs, outputs, batch)
+            return list(found[1]) if found is not None else [0] * len(outputs)
+        found_v = self.lookup(module, inputs, outputs, batch)
+        return [int(v) for v in found_v[1]] if found_v is not None else [0] * len(outputs)
+
+    def rows(self, module: nn.Module, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+             batch: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """Rows per example of each input and output (``k`` of ``[k B, ...]``; 0 when the tensor
+        has no batch axis first), or None if undecidable."""
+        found = None
+        for tin, tout, _, _ in self.templates.get(id(module), []):
+            if _matches(tin, inputs, batch) and _matches(tout, outputs, batch):
+                rows = (tuple(max(k, 0) for k, _ in tin), tuple(max(k, 0) for k, _ in tout))
+                if found is not None and found != rows:
+                    return None
+                found = rows
+        return found
 
     def broadcast_rows(self, module: nn.Module, use: int, expanded: torch.Tensor, batch: int) -> int:
         """1 when the elementwise rule reads the broadcast ``use`` as batched, else 0."""
@@ -202,11 +223,24 @@ def _probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], 
         found = check_independence(root, loss_fn, args, kwargs, batch_argnums, has_aux, batch, layout.rows_per_example,
                                    _broadcast_candidate, layout.broadcast_rows,
                                    layout.following if layout.shared_ops else None)
+        if found not in (None, UNDECIDED) and not isinstance(found, Uncheckable) and _has_groups(root, layout):
+            # Rows grouped per example (batch-major) is an assumption the check tests; a model that
+            # flattens its batch otherwise (position-major) fails it without mixing examples: check
+            # again with those calls off the rules (the exact path), and refuse only if it still fails.
+            layout.grouped = False
+            found = check_independence(root, loss_fn, args, kwargs, batch_argnums, has_aux, batch,
+                                       layout.rows_per_example, _broadcast_candidate, layout.broadcast_rows,
+                                       layout.following if layout.shared_ops else None)
         if isinstance(found, Uncheckable):
             return BatchLayout(mixing_checked=True, exact=f"independence of examples could not be checked: {found}")
         if found != UNDECIDED:  # else checked again at the next call (the exact path runs meanwhile)
             layout.mixing_checked, layout.mixing = True, found
     return layout
+
+
+def _has_groups(root: nn.Module, layout: BatchLayout) -> bool:
+    """Whether some call of a module with parameters has an output of ``k > 1`` rows per example."""
+    return any(k > 1 for m in root.modules() for _, tout, _, _ in layout.templates.get(id(m), []) for k, _ in tout)
 
 
 def _probe_shared(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
