@@ -113,6 +113,40 @@ class PositionNet(nn.Module):
         return self.head(torch.tanh(h)).squeeze(-1)
 
 
+class Disentangled(nn.Module):
+    """DeBERTa-style: a relative-position table (a parameter used outside its module), normed and
+    projected without a batch axis, repeated over the batch and multiplied with ``[B * H]``
+    query rows; ``order`` lays the queries out example-major (as DeBERTa) or head-major (then
+    the pairing with the repeat's rows depends on the batch size: a model that mixes)."""
+
+    def __init__(self, order: str) -> None:
+        super().__init__()
+        self.order = order
+        self.tok = nn.Embedding(VOCAB, D)
+        self.rel = nn.Embedding(2 * T, D)
+        self.norm = nn.LayerNorm(D)
+        self.pos_key = nn.Linear(D, D)
+        self.q = nn.Linear(D, D)
+        self.head = nn.Linear(2 * T, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        h = self.tok(ids)
+        rel = self.norm(self.rel.weight)  # [2T, D]: no batch axis
+        pk = self.pos_key(rel).reshape(2 * T, H, D // H).transpose(0, 1)  # [H, 2T, dh]
+        q = self.q(h).reshape(b, t, H, D // H)
+        if self.order == "example-major":
+            q = q.permute(0, 2, 1, 3).reshape(b * H, t, D // H)  # rows b * H + h
+        else:
+            q = q.permute(2, 0, 1, 3).reshape(H * b, t, D // H)  # rows h * B + b
+        scores = torch.bmm(q, pk.repeat(b, 1, 1).transpose(-1, -2))  # [B * H, T, 2T]
+        if self.order == "example-major":
+            scores = scores.reshape(b, H, t, 2 * T)
+        else:
+            scores = scores.reshape(H, b, t, 2 * T).transpose(0, 1)
+        return self.head(torch.tanh(scores.sum(1))).squeeze(-1)
+
+
 def ids_batch(b: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed + b)
     ids = torch.randint(1, VOCAB, (b, T), generator=g)
@@ -168,6 +202,26 @@ def test_no_whole_loss_pass_runs() -> None:
         calls.clear()
         fn(params, ids, state=state)
     assert calls == [6]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("b", [1, 2, 5, H, 2 * T])
+def test_a_table_repeated_over_the_batch_takes_the_rule(b: int, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(5)
+    slow = assert_exact(Disentangled("example-major"), ids_batch(b), backend, monkeypatch)
+    assert not slow, slow
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_repeat_paired_head_major_is_refused(backend: str) -> None:
+    # Row h * B + b of the queries meets row (h * B + b) mod H of the repeat: which position
+    # projection an example gets depends on the batch size (alone it gets another): mixing.
+    model = Disentangled("head-major").double()
+    fmodel, params = make_functional(model)
+    fn, state = clipped_grad(lambda p, ids: (fmodel(p, ids) ** 2).sum(1), clipping_norm=1.0, batch_argnums=1,
+                             clip_backend=backend, model=fmodel)
+    with pytest.raises(InputValueError, match="mixes examples"):
+        fn(params, ids_batch(5), state=state)
 
 
 # --- what the rule does not take ---------------------------------------------------------------

@@ -93,18 +93,20 @@ class BatchLayout:
                 found = free
         return bool(found)
 
-    def shared_verdict(self, k: int, func: Any, shapes: list[Shape], batch: int) -> bool | None:
-        """For the ``k``-th op that reads a shared tensor: True when its (single) result has
-        the batch as first axis, False when no result has a batch axis, None otherwise (or
-        when the op is not the one the probe recorded)."""
+    def shared_verdict(self, k: int, func: Any, shapes: list[Shape], batch: int) -> int | None:
+        """For the ``k``-th op that reads a shared tensor: the rows per example of its single
+        result (1: the batch first; more only while :attr:`grouped`), 0 when no result has a
+        batch axis, None otherwise (or when the op is not the one the probe recorded)."""
         if k >= len(self.shared_ops):
             return None
         func_k, template = self.shared_ops[k]
         if func_k != func or not _matches_shapes(template, shapes, batch):
             return None
         if all(kk == 0 for kk, _ in template):
-            return False
-        return True if len(template) == 1 and template[0][0] == 1 else None
+            return 0
+        if len(template) == 1 and (template[0][0] == 1 or (template[0][0] > 1 and self.grouped)):
+            return template[0][0]
+        return None
 
     def following(self, modules: list[nn.Module], batch: int, on_site: OnSite | None) -> tuple[SharedTensors, list[Any]]:
         """A :class:`SharedTensors` mode that follows this layout's shared tensors in a batch of
@@ -239,8 +241,10 @@ def _probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], 
 
 
 def _has_groups(root: nn.Module, layout: BatchLayout) -> bool:
-    """Whether some call of a module with parameters has an output of ``k > 1`` rows per example."""
-    return any(k > 1 for m in root.modules() for _, tout, _, _ in layout.templates.get(id(m), []) for k, _ in tout)
+    """Whether some call of a module with parameters, or some op on a shared tensor (a repeat over
+    the batch), has a result of ``k > 1`` rows per example."""
+    return (any(k > 1 for m in root.modules() for _, tout, _, _ in layout.templates.get(id(m), []) for k, _ in tout)
+            or any(k > 1 for _, template in layout.shared_ops for k, _ in template))
 
 
 def _probe_shared(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -71,8 +71,13 @@ def site_of(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[S
       operand's shape): both operands;
     * ``where(condition, x, y)``: its three operands (scalars allowed);
     * ``scaled_dot_product_attention``: its ``attn_mask``, which broadcasts to
-      ``[*batch, L, S]`` (the scores) whatever the other operands are.
+      ``[*batch, L, S]`` (the scores) whatever the other operands are;
+    * ``d.repeat(B, 1, ...)``: ``d`` stacked ``B`` times along its first axis (DeBERTa's
+      position projections meet its ``[B * heads, ...]`` scores so): the shape is
+      ``[B, *d.shape]`` and the result is read as ``len(d)`` rows per example.
     """
+    if func is torch.Tensor.repeat:
+        return _repeat_site(args, kwargs)
     if func in _SDPA:
         mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
         if not isinstance(mask, torch.Tensor) or len(args) < 3 or not all(isinstance(a, torch.Tensor) for a in args[:3]):
@@ -104,6 +109,19 @@ def site_of(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[S
         return None
 
 
+def _repeat_site(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Shape, list[Slot]] | None:
+    """``d.repeat(r, 1, ..., 1)``: ``r`` copies of ``d`` stacked along its first axis (the
+    result's rows ``j * len(d) + i`` are ``d[i]``); the site shape is ``[r, *d.shape]``."""
+    if kwargs or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    d, reps = args[0], args[1:]
+    if len(reps) == 1 and isinstance(reps[0], (tuple, list, torch.Size)):
+        reps = tuple(reps[0])
+    if len(reps) != d.dim() or d.dim() == 0 or not all(isinstance(r, int) for r in reps) or any(r != 1 for r in reps[1:]):
+        return None
+    return (reps[0], *d.shape), [0]
+
+
 def expand_for_site(d: torch.Tensor, shape: Shape, detach: bool = True) -> torch.Tensor | None:
     """``d`` (detached unless ``detach=False``) with a leading axis of ``shape[0]`` rows,
     broadcastable against ``shape`` exactly as ``d`` was: its aligned leading size must be
@@ -125,8 +143,9 @@ class OpRecord:
     outputs: list[Shape]  # the result's shape for a site candidate, else its tensor leaves' shapes
 
 
-#: (op number, func, result shapes) -> True (batched), False (no batch axis), None (undecidable)
-Verdict = Callable[[int, Any, list[Shape]], "bool | None"]
+#: (op number, func, result shapes) -> rows per example of the single result (1: batch first), 0 (no
+#: batch axis in any result) or None (undecidable)
+Verdict = Callable[[int, Any, list[Shape]], "int | None"]
 #: (op number, shared operand, result shape) -> replacement for the operand
 OnSite = Callable[[int, torch.Tensor, Shape], torch.Tensor]
 
@@ -188,14 +207,20 @@ class SharedTensors(TorchFunctionMode):
             return self._record(func, out if site is None else func(*args, **kwargs), site, read)
         k, self.count = self.count, self.count + 1
         if site is not None:
-            v = self.verdict(k, func, [site[0]])
-            if v:
-                return self._site(func, args, kwargs, k, site, read)
+            if func is torch.Tensor.repeat:  # its verdict is of its result, [r * len(d), ...]
+                r, rows, *rest = site[0]
+                v = self.verdict(k, func, [(r * rows, *rest)])
+                if v is not None and v > 0 and v == rows and id(args[0]) in {id(t) for t in read}:
+                    return self._repeat(k, args[0], site[0])
+            else:
+                v = self.verdict(k, func, [site[0]])
+                if v == 1:
+                    return self._site(func, args, kwargs, k, site, read)
             out = func(*args, **kwargs)
             outs = _tensors(out)
         else:
             v = self.verdict(k, func, [tuple(t.shape) for t in outs])
-        if v is False:
+        if v == 0:
             for t in outs:
                 self._follow(t, k)
         else:
@@ -206,7 +231,8 @@ class SharedTensors(TorchFunctionMode):
         outs = _tensors(out)
         k = len(self.records)
         self.records.append(OpRecord(func, tuple(self.producer[id(t)] for t in read),
-                                     [site[0]] if site is not None else [tuple(t.shape) for t in outs]))
+                                     [tuple(t.shape) for t in outs] if site is None or func is torch.Tensor.repeat
+                                     else [site[0]]))
         for t in outs:
             self._follow(t, k)
         return out
@@ -234,6 +260,13 @@ class SharedTensors(TorchFunctionMode):
                 return func(*new_args, **new_kwargs)
         self.escaped.append(getattr(func, "__name__", repr(func)))  # a shared operand outside the slots
         return func(*args, **kwargs)
+
+
+    def _repeat(self, k: int, d: torch.Tensor, shape: Shape) -> torch.Tensor:
+        """``d.repeat(B, 1, ...)`` as ``d`` expanded along a new batch axis, flattened: the same values."""
+        d1 = d.unsqueeze(0)
+        e = self.on_site(k, d1, shape) if self.on_site is not None else d1.expand(shape)
+        return e.expand(shape).reshape(shape[0] * shape[1], *shape[2:])
 
 
 def number_reached(small: list[OpRecord], large: list[OpRecord],
