@@ -169,3 +169,67 @@ def test_a_parameter_changed_before_its_broadcast_keeps_the_fallback(backend: st
     torch.manual_seed(3)
     slow = assert_exact(LayerScale("div"), torch.randn(5, D, 3, 3, dtype=torch.float64), backend, None)
     assert any("gamma" in s for s in slow), slow
+
+
+# --- table lookups in an nn.Embedding subclass's own forward ------------------------------------
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Hugging Face's scaled word embedding: ``super().forward(ids) * scale`` (its own forward)."""
+
+    def __init__(self, n: int, d: int, padding_idx: int | None = None) -> None:
+        super().__init__(n, d, padding_idx=padding_idx)
+        self.scale = d ** 0.5
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.scale
+
+
+class LearnedPositions(nn.Embedding):
+    """OPT's learned positions: computed from the mask (cumsum), offset by 2, looked up."""
+
+    def forward(self, mask: torch.Tensor) -> torch.Tensor:
+        positions = (torch.cumsum(mask, dim=1) * mask).long() - 1
+        return super().forward(positions.clamp_min(0) + 2)
+
+
+class Lookups(nn.Module):
+    def __init__(self, padding_idx: int | None, tied: bool = False) -> None:
+        super().__init__()
+        self.tok = ScaledEmbedding(9, D, padding_idx=padding_idx)
+        self.pos = LearnedPositions(T + 4, D)
+        self.head = nn.Linear(D, 9, bias=False)
+        if tied:
+            self.head.weight = self.tok.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = (ids != 0).long()
+        return self.head(torch.tanh(self.tok(ids) + self.pos(mask)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("padding_idx,tied", [(None, False), (0, False), (-9, False), (None, True)])
+@pytest.mark.parametrize("b", [1, 5, T, 9])
+def test_lookups_in_an_embedding_subclass_take_the_lookup_rule(padding_idx: int | None, tied: bool, b: int,
+                                                               backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before the lookup rule, both tables took the module fallback: [B, V, D] per-example gradients.
+    torch.manual_seed(4)
+    ids = torch.randint(0, 9, (b, T), generator=torch.Generator().manual_seed(b))
+    ids[:, 0] = 3  # at least one real token per example
+    slow = assert_exact(Lookups(padding_idx, tied), ids, backend, monkeypatch)
+    assert not slow, slow
+
+
+class NormedLookup(nn.Embedding):
+    """A lookup with max_norm: it renormalises the table in place, which no rule follows."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.weight, max_norm=1.0) * 2.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_lookup_with_max_norm_keeps_the_fallback(backend: str) -> None:
+    torch.manual_seed(4)
+    model = nn.Sequential(NormedLookup(9, D), nn.Flatten(), nn.Linear(T * D, 1))
+    slow = assert_exact(model, torch.randint(0, 9, (5, T)), backend, None)
+    assert any("per-module fallback" in s for s in slow), slow

@@ -54,6 +54,7 @@ from opake_fx.dpsgd.clipping import _registry
 from opake_fx.dpsgd.clipping import _rules_fallback as FB
 from opake_fx.dpsgd.clipping._rule import BuildContext, Rule, first_input
 from opake_fx.dpsgd.clipping._rules_elementwise import ELEMENTWISE, watch
+from opake_fx.dpsgd.clipping._rules_embedding import LookupRule
 from opake_fx.dpsgd.clipping._rules_fallback import FALLBACK
 from opake_fx.dpsgd.clipping._rules_shared import SharedTensors, expand_for_site
 from opake_fx.dpsgd.clipping._tied import sum_of_uses
@@ -468,23 +469,29 @@ class _Capture:
         it = iter(tapped)
         return optree.tree_unflatten(treedef, [next(it) if isinstance(t, torch.Tensor) else t for t in leaves])
 
-    def _on_broadcast(self, module: nn.Module, use: int, name: str, expanded: torch.Tensor) -> torch.Tensor:
-        """A broadcast of ``module``'s own parameter ``name`` in its forward (._rules_elementwise):
-        tapped for the elementwise rule when it is differentiated and the probe found the
-        batch as the first axis of ``expanded``; else left as it is (its module's fallback)."""
+    def _on_broadcast(self, module: nn.Module, use: int, name: str, expanded: torch.Tensor,
+                      lookup: tuple[torch.Tensor, int | None] | None = None) -> torch.Tensor:
+        """A broadcast (or a table lookup, ``lookup = (ids, padding_idx)``) of ``module``'s own
+        parameter ``name`` in its forward (._rules_elementwise): tapped for the elementwise (or
+        lookup) rule when it is differentiated and the probe found the batch as the first axis
+        of ``expanded``; else left as it is (its module's fallback)."""
         p = module._parameters.get(name)
         i = self.index.get(id(p)) if p is not None else None
         if i is None or not torch.is_grad_enabled() or not self.layout.lookup_use(module, use, expanded, self.batch):
             return expanded
+        if lookup is not None and lookup[0].shape[:1] != expanded.shape[:1]:
+            return expanded  # (the ids carry the lookup's leading axes; anything else stays on the fallback)
         report = None
         if self.recording:
-            u = _Use(module, ELEMENTWISE, {name: i})
+            u = _Use(module, ELEMENTWISE if lookup is None else LookupRule(lookup[1]), {name: i})
             u.n_out = 1
             self.uses.append(u)
             self.by_leaf[i].append((u, name))
             self._remember_bindings(module)
             self.broadcast.setdefault(id(module), set()).add(name)
             report = _Report(self, u)
+        if lookup is not None:
+            return _Tap.apply(self.anchor, report, 1, lookup[0], expanded)
         return _Tap.apply(self.anchor, report, 0, expanded)
 
     def _on_site(self, k: int, d: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

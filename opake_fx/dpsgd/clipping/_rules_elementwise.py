@@ -28,9 +28,11 @@ contribution is at most ``C`` as computed in floating point.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -45,8 +47,9 @@ _OTHER = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul
           torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__,
           torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__)
 
-#: ``(module, use number, parameter name, E) -> replacement for E`` (or E itself)
-OnUse = Callable[[nn.Module, int, str, torch.Tensor], torch.Tensor]
+#: ``(module, use number, parameter name, E, lookup) -> replacement for E`` (or E itself); ``lookup``
+#: is ``(ids, padding_idx)`` for a table lookup (``E = F.embedding(ids, P)``), None for a broadcast
+OnUse = Callable[[nn.Module, int, str, torch.Tensor, "tuple[torch.Tensor, int | None] | None"], torch.Tensor]
 
 
 def direct_parameters(module: nn.Module) -> dict[int, str]:
@@ -67,15 +70,22 @@ class Broadcasts(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func is F.embedding:
+            found = lookup_of(args, kwargs, self.params)
+            if found is not None and isinstance(out, torch.Tensor) and out.dim() > 0:
+                k, self.count = self.count, self.count + 1
+                name, ids, padding_idx = found
+                return self.on_use(self.module, k, name, out, (ids, padding_idx))
+            return out
         name = self._broadcast_of(func, args, kwargs, out)
         if name is None:
             return out
         k, self.count = self.count, self.count + 1
         param = next(a for a in args if isinstance(a, torch.Tensor) and self.params.get(id(a)) == name)
         if func in _EXPAND:
-            return self.on_use(self.module, k, name, out)
+            return self.on_use(self.module, k, name, out, None)
         expanded = param.expand(out.shape)
-        tapped = self.on_use(self.module, k, name, expanded)
+        tapped = self.on_use(self.module, k, name, expanded, None)
         if tapped is expanded:
             return out
         return func(*(tapped if a is param else a for a in args))
@@ -103,6 +113,30 @@ class Broadcasts(TorchFunctionMode):
         if len(shape) != out.dim() or shape[0] != 1:
             return None  # the parameter must not have a size along the example axis
         return name
+
+
+def lookup_of(args: tuple[Any, ...], kwargs: dict[str, Any], params: dict[int, str]) -> tuple[str, torch.Tensor, int | None] | None:
+    """``(name, ids, padding_idx)`` when an ``F.embedding`` call looks ids up in one of
+    ``params`` (``id -> name``) with none of the options that mix examples or write the
+    table (``max_norm``, ``scale_grad_by_freq``, ``sparse``); else None."""
+    try:
+        bound = _EMBEDDING.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    a = bound.arguments
+    weight, ids = a.get("weight"), a.get("input")
+    if not isinstance(weight, torch.Tensor) or not isinstance(ids, torch.Tensor) or weight.dim() != 2:
+        return None
+    name = params.get(id(weight))
+    if name is None or a.get("max_norm") is not None or a.get("scale_grad_by_freq") or a.get("sparse"):
+        return None
+    pad = a.get("padding_idx")
+    if pad is not None and pad < 0:
+        pad += weight.shape[0]
+    return name, ids, pad
+
+
+_EMBEDDING = inspect.signature(F.embedding)
 
 
 def watch(modules: Iterable[nn.Module], candidate: Callable[[nn.Module], bool], on_use: OnUse) -> list[Any]:

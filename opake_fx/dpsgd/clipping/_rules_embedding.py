@@ -229,6 +229,40 @@ class EmbeddingRule(Rule):
         return EmbeddingGrad(saved[0], g, module, N.compute_dtype(ctx.dtype), keep_tokens=ctx.shared)  # type: ignore[arg-type]
 
 
+class _Table:
+    """What :class:`EmbeddingGrad` reads of a table: its sizes and its padding row."""
+
+    def __init__(self, weight: torch.Tensor, padding_idx: int | None) -> None:
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.padding_idx = padding_idx
+
+
+class LookupRule(Rule):
+    """A lookup ``F.embedding(ids, P)`` of a parameter ``P`` that a module without a rule holds
+    directly, made in its own ``forward`` (Hugging Face's scaled word embeddings and learned
+    positional embeddings: ``nn.Embedding`` subclasses whose ``forward`` calls
+    ``super().forward(...)`` and scales or offsets around it), found by
+    :class:`._rules_elementwise.Broadcasts` and taken when the lookup's first axis is proven
+    to be the batch: :class:`EmbeddingGrad` of that lookup, as for an ``nn.Embedding`` call.
+    One instance per lookup (its ``padding_idx``); claims no module."""
+
+    kind = "lookup"
+
+    def __init__(self, padding_idx: int | None) -> None:
+        self.padding_idx = padding_idx
+
+    def claims(self, module: nn.Module) -> bool:
+        return False
+
+    def build(self, module: nn.Module, saved: tuple[torch.Tensor, ...], g: torch.Tensor, names: dict[str, int],
+              ctx: BuildContext) -> EmbeddingGrad:
+        (name,) = names
+        weight = module._parameters[name]
+        assert weight is not None
+        return EmbeddingGrad(saved[0], g, _Table(weight, self.padding_idx), N.compute_dtype(ctx.dtype),  # type: ignore[arg-type]
+                             keep_tokens=ctx.shared)
+
+
 class EmbeddingBagRule(EmbeddingRule):
     """``nn.EmbeddingBag``: the batch axis is the output's rows (the input may be ``[N]`` ids)."""
 
