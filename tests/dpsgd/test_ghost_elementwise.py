@@ -233,3 +233,55 @@ def test_a_lookup_with_max_norm_keeps_the_fallback(backend: str) -> None:
     model = nn.Sequential(NormedLookup(9, D), nn.Flatten(), nn.Linear(T * D, 1))
     slow = assert_exact(model, torch.randint(0, 9, (5, T)), backend, None)
     assert any("per-module fallback" in s for s in slow), slow
+
+
+# --- Linear layers written inline in a module's own forward -------------------------------------
+
+
+class InlineLinear(nn.Linear):
+    """Falcon's FalconLinear (``x @ W.T``, bias added) or a layer calling ``F.linear`` itself."""
+
+    def __init__(self, d_in: int, d_out: int, how: str, bias: bool = True) -> None:
+        super().__init__(d_in, d_out, bias=bias)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "matmul":
+            y = x @ self.weight.T
+            return y if self.bias is None else y + self.bias
+        if self.how == "t":
+            return torch.matmul(x, self.weight.t()) * 0.5
+        return torch.nn.functional.linear(x, self.weight, self.bias) * 2.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how,bias", [("matmul", True), ("matmul", False), ("t", False), ("f_linear", True),
+                                      ("f_linear", False)])
+@pytest.mark.parametrize("b", [1, 5, D, 2 * D])  # B equal to d_in, to d_out
+def test_inline_linear_layers_take_the_projection_rule(how: str, bias: bool, b: int, backend: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before the projection rule, these took the module fallback (vmap of the layer's vjp).
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(3, D), InlineLinear(D, 2 * D, how, bias), nn.Tanh(), InlineLinear(2 * D, 2, how, bias))
+    slow = assert_exact(model, torch.randn(b, T, 3, dtype=torch.float64), backend, monkeypatch)
+    assert not slow, slow
+
+
+class SharedInput(nn.Module):
+    """``W`` applied inline to a tensor without the batch axis, then added to the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, D)
+        self.weight = nn.Parameter(torch.randn(D, D) / D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = torch.linspace(-1, 1, T * D, dtype=x.dtype).reshape(T, D)
+        return torch.tanh(self.inp(x) + table @ self.weight.T)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_inline_linear_on_an_unbatched_input_keeps_the_fallback(backend: str) -> None:
+    torch.manual_seed(5)
+    slow = assert_exact(SharedInput(), torch.randn(5, T, 3, dtype=torch.float64), backend, None)
+    assert any("weight" in s for s in slow), slow

@@ -55,6 +55,7 @@ from opake_fx.dpsgd.clipping import _rules_fallback as FB
 from opake_fx.dpsgd.clipping._rule import BuildContext, Rule, first_input
 from opake_fx.dpsgd.clipping._rules_elementwise import ELEMENTWISE, watch
 from opake_fx.dpsgd.clipping._rules_embedding import LookupRule
+from opake_fx.dpsgd.clipping._rules_linear import ProjectionRule
 from opake_fx.dpsgd.clipping._rules_fallback import FALLBACK
 from opake_fx.dpsgd.clipping._rules_shared import SharedTensors, expand_for_site
 from opake_fx.dpsgd.clipping._tied import sum_of_uses
@@ -470,29 +471,36 @@ class _Capture:
         return optree.tree_unflatten(treedef, [next(it) if isinstance(t, torch.Tensor) else t for t in leaves])
 
     def _on_broadcast(self, module: nn.Module, use: int, name: str, expanded: torch.Tensor,
-                      lookup: tuple[torch.Tensor, int | None] | None = None) -> torch.Tensor:
-        """A broadcast (or a table lookup, ``lookup = (ids, padding_idx)``) of ``module``'s own
-        parameter ``name`` in its forward (._rules_elementwise): tapped for the elementwise (or
-        lookup) rule when it is differentiated and the probe found the batch as the first axis
-        of ``expanded``; else left as it is (its module's fallback)."""
-        p = module._parameters.get(name)
-        i = self.index.get(id(p)) if p is not None else None
-        if i is None or not torch.is_grad_enabled() or not self.layout.lookup_use(module, use, expanded, self.batch):
+                      call: tuple[Any, ...] | None = None) -> torch.Tensor:
+        """A broadcast, table lookup or inline Linear (``call``, see ._rules_elementwise.OnUse) of
+        ``module``'s own parameters in its forward: tapped for the elementwise, lookup or
+        projection rule when one of them is differentiated and the probe found the batch as
+        the first axis of ``expanded``; else left as it is (its module's fallback)."""
+        if call is not None and call[0] == "linear":
+            x, roles, d_in, d_out = call[1:]
+            rule: Rule = ProjectionRule(d_in, d_out, roles)
+            params, saved = list(roles.values()), (x,)
+        elif call is not None:
+            rule, params, saved = LookupRule(call[2]), [name], (call[1],)
+        else:
+            rule, params, saved = ELEMENTWISE, [name], ()
+        names = {n: self.index[id(module._parameters[n])] for n in params
+                 if module._parameters.get(n) is not None and id(module._parameters[n]) in self.index}
+        if not names or not torch.is_grad_enabled() or not self.layout.lookup_use(module, use, expanded, self.batch):
             return expanded
-        if lookup is not None and lookup[0].shape[:1] != expanded.shape[:1]:
-            return expanded  # (the ids carry the lookup's leading axes; anything else stays on the fallback)
+        if saved and saved[0].shape[:1] != expanded.shape[:1]:
+            return expanded  # (ids and inputs carry the call's leading axes; anything else stays on the fallback)
         report = None
         if self.recording:
-            u = _Use(module, ELEMENTWISE if lookup is None else LookupRule(lookup[1]), {name: i})
+            u = _Use(module, rule, names)
             u.n_out = 1
             self.uses.append(u)
-            self.by_leaf[i].append((u, name))
+            for n, i in names.items():
+                self.by_leaf[i].append((u, n))
             self._remember_bindings(module)
-            self.broadcast.setdefault(id(module), set()).add(name)
+            self.broadcast.setdefault(id(module), set()).update(names)
             report = _Report(self, u)
-        if lookup is not None:
-            return _Tap.apply(self.anchor, report, 1, lookup[0], expanded)
-        return _Tap.apply(self.anchor, report, 0, expanded)
+        return _Tap.apply(self.anchor, report, len(saved), *saved, expanded)
 
     def _on_site(self, k: int, d: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """A shared tensor ``d`` where it meets the batch (._rules_shared): replaced by its

@@ -47,9 +47,10 @@ _OTHER = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul
           torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__,
           torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__)
 
-#: ``(module, use number, parameter name, E, lookup) -> replacement for E`` (or E itself); ``lookup``
-#: is ``(ids, padding_idx)`` for a table lookup (``E = F.embedding(ids, P)``), None for a broadcast
-OnUse = Callable[[nn.Module, int, str, torch.Tensor, "tuple[torch.Tensor, int | None] | None"], torch.Tensor]
+#: ``(module, use number, parameter name, E, call) -> replacement for E`` (or E itself); ``call`` is
+#: None for a broadcast, ``("lookup", ids, padding_idx)`` for a table lookup (``E = F.embedding(ids,
+#: P)``), ``("linear", x, roles, d_in, d_out)`` for an inline Linear (``F.linear(x, W, b)``, ``x @ W.T``)
+OnUse = Callable[[nn.Module, int, str, torch.Tensor, "tuple[Any, ...] | None"], torch.Tensor]
 
 
 def direct_parameters(module: nn.Module) -> dict[int, str]:
@@ -66,6 +67,7 @@ class Broadcasts(TorchFunctionMode):
         super().__init__()
         self.module, self.params, self.on_use = module, params, on_use
         self.count = 0
+        self.transposed: dict[int, tuple[str, torch.Tensor]] = {}  # id(W.T) -> (W's name, W.T)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
@@ -75,8 +77,16 @@ class Broadcasts(TorchFunctionMode):
             if found is not None and isinstance(out, torch.Tensor) and out.dim() > 0:
                 k, self.count = self.count, self.count + 1
                 name, ids, padding_idx = found
-                return self.on_use(self.module, k, name, out, (ids, padding_idx))
+                return self.on_use(self.module, k, name, out, ("lookup", ids, padding_idx))
             return out
+        if any(func == t for t in _TRANSPOSE) and args and self.params.get(id(args[0])) and args[0].dim() == 2:
+            self.transposed[id(out)] = (self.params[id(args[0])], out)  # W.T / W.t() of our weight, kept alive
+            return out
+        projection = self._projection_of(func, args, kwargs, out)
+        if projection is not None:
+            k, self.count = self.count, self.count + 1
+            x, roles, d_in, d_out = projection
+            return self.on_use(self.module, k, roles["weight"], out, ("linear", x, roles, d_in, d_out))
         name = self._broadcast_of(func, args, kwargs, out)
         if name is None:
             return out
@@ -89,6 +99,37 @@ class Broadcasts(TorchFunctionMode):
         if tapped is expanded:
             return out
         return func(*(tapped if a is param else a for a in args))
+
+    def _projection_of(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       out: Any) -> tuple[torch.Tensor, dict[str, str], int, int] | None:
+        """``(x, roles, d_in, d_out)`` for ``F.linear(x, W[, b])`` or ``x @ W.T`` with ``W`` (and
+        ``b``, when it is ours) our parameters and ``x`` not: a Linear layer written inline."""
+        if not isinstance(out, torch.Tensor) or out.dim() < 2:
+            return None
+        if func is F.linear:
+            x = args[0] if args else kwargs.get("input")
+            w = args[1] if len(args) > 1 else kwargs.get("weight")
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or w.dim() != 2:
+                return None
+            name = self.params.get(id(w))
+            if name is None or self.params.get(id(x)) is not None:
+                return None
+            roles = {"weight": name}
+            if isinstance(b, torch.Tensor) and self.params.get(id(b)) is not None:
+                roles["bias"] = self.params[id(b)]
+            d_out, d_in = w.shape
+        elif func in _MATMUL and len(args) == 2 and not kwargs and isinstance(args[0], torch.Tensor):
+            found = self.transposed.get(id(args[1]))
+            if found is None or found[1] is not args[1] or self.params.get(id(args[0])) is not None:
+                return None
+            x, roles = args[0], {"weight": found[0]}
+            d_in, d_out = args[1].shape
+        else:
+            return None
+        if x.dim() < 2 or tuple(x.shape[:-1]) != tuple(out.shape[:-1]) or x.dtype != out.dtype:
+            return None
+        return x, roles, d_in, d_out
 
     def _broadcast_of(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> str | None:
         """The parameter's name when the call broadcasts one of ours to a new leading axis."""
@@ -137,6 +178,8 @@ def lookup_of(args: tuple[Any, ...], kwargs: dict[str, Any], params: dict[int, s
 
 
 _EMBEDDING = inspect.signature(F.embedding)
+_TRANSPOSE = (torch.Tensor.T.__get__, torch.Tensor.t, torch.t)  # compared with == (a property's getter is rebuilt)
+_MATMUL = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 
 
 def watch(modules: Iterable[nn.Module], candidate: Callable[[nn.Module], bool], on_use: OnUse) -> list[Any]:

@@ -419,7 +419,28 @@ class ConvRule(Rule):
         return conv_grad(module, saved[0], g, roles(names), ctx.mode, ctx.dtype)  # type: ignore[arg-type]
 
 
+class ProjectionRule(Rule):
+    """A Linear layer written inline in the ``forward`` of a module without a rule, on the
+    module's own parameters: ``F.linear(x, W[, b])`` or ``x @ W.T`` (Falcon's ``FalconLinear``,
+    layers that call ``super().forward``), found by :class:`._rules_elementwise.Broadcasts`
+    and taken when its first axis is proven to be the batch: the Linear rule on ``x``. One
+    instance per call (its sizes and which parameter plays which role); claims no module."""
+
+    kind = "projection"
+
+    def __init__(self, d_in: int, d_out: int, roles: dict[str, str]) -> None:
+        self.d_in, self.d_out, self.roles = d_in, d_out, roles
+
+    def claims(self, module: nn.Module) -> bool:
+        return False
+
+    def build(self, module: nn.Module, saved: tuple[torch.Tensor, ...], g: torch.Tensor, names: dict[str, int],
+              ctx: BuildContext) -> MatmulGrad:
+        roles = {role: n for role, n in self.roles.items() if n in names}
+        return projection_grad(saved[0], g, self.d_in, self.d_out, roles, ctx.mode, ctx.dtype)
+
+
 LINEAR, TRANSPOSED_LINEAR, CONV = LinearRule(), TransposedLinearRule(), ConvRule()
 
-__all__ = ["CONV", "LINEAR", "TRANSPOSED_LINEAR", "MatmulGrad", "Rearranged", "TransposedWeight", "choose_method",
+__all__ = ["CONV", "LINEAR", "TRANSPOSED_LINEAR", "MatmulGrad", "ProjectionRule", "Rearranged", "TransposedWeight", "choose_method",
            "conv_grad", "is_transformers_conv1d", "linear_grad", "projection_grad", "transposed_linear_grad"]
