@@ -173,7 +173,7 @@ def test_a_steady_step_makes_no_host_synchronisation(kind, backend, dtype):
     assert n == 0, f"{n} host synchronisations in one steady {backend} step of {kind} ({dtype}); at:\n" + "\n".join(where)
 
 
-def _gpt2_step(backend: str, dtype: torch.dtype) -> Callable[[], Any]:
+def _gpt2_step(backend: str, dtype: torch.dtype, batched_positions: bool = True) -> Callable[[], Any]:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=V, n_positions=16, n_embd=16, n_layer=2, n_head=2,
@@ -183,6 +183,8 @@ def _gpt2_step(backend: str, dtype: torch.dtype) -> Callable[[], Any]:
     ids = torch.randint(0, V, (B, T))
 
     def losses(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not batched_positions:  # GPT-2's own [1, T] positions: the shared-tensor rule takes wpe
+            return _lm_loss(fmodel(p, input_ids=x).logits, y)
         positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)  # batched: wpe takes its rule
         return _lm_loss(fmodel(p, input_ids=x, position_ids=positions).logits, y)
 
@@ -190,10 +192,11 @@ def _gpt2_step(backend: str, dtype: torch.dtype) -> Callable[[], Any]:
     return lambda: fn(params, ids, ids, state=state)
 
 
+@pytest.mark.parametrize("positions", ["batched", "default"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("backend", ["auto", "ghost"])
-def test_a_steady_gpt2_step_makes_no_host_synchronisation(backend, dtype):
-    n, where = _steady_syncs(_gpt2_step(backend, dtype))
+def test_a_steady_gpt2_step_makes_no_host_synchronisation(backend, dtype, positions):
+    n, where = _steady_syncs(_gpt2_step(backend, dtype, batched_positions=positions == "batched"))
     assert n == 0, f"{n} host synchronisations in one steady {backend} GPT-2 step ({dtype}); at:\n" + "\n".join(where)
 
 
