@@ -258,9 +258,9 @@ class InlineLinear(nn.Linear):
 @pytest.mark.parametrize("how,bias", [("matmul", True), ("matmul", False), ("t", False), ("f_linear", True),
                                       ("f_linear", False)])
 @pytest.mark.parametrize("b", [1, 5, D, 2 * D])  # B equal to d_in, to d_out
-def test_inline_linear_layers_take_the_projection_rule(how: str, bias: bool, b: int, backend: str,
+def test_inline_linear_layers_take_the_inline_linear_rule(how: str, bias: bool, b: int, backend: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    # Before the projection rule, these took the module fallback (vmap of the layer's vjp).
+    # Before the inline-Linear rule, these took the module fallback (vmap of the layer's vjp).
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(3, D), InlineLinear(D, 2 * D, how, bias), nn.Tanh(), InlineLinear(2 * D, 2, how, bias))
     slow = assert_exact(model, torch.randn(b, T, 3, dtype=torch.float64), backend, monkeypatch)

@@ -637,7 +637,7 @@ CASES: list[Case] = [
     # output is not affine in its weight to float64 rounding: the module fallback (in a float32
     # model it takes the norm-like rule). Its scaled word embedding takes the lookup rule.
     _hf("gemma", gemma, text_batch, lm_loss, TEXT_SIZES, {"vmap": "any", "ghost": "slow", "auto": "slow"}),
-    # FalconLinear (an nn.Linear subclass computing `x @ W.T` in its own forward): the projection rule.
+    # FalconLinear (an nn.Linear subclass computing `x @ W.T` in its own forward): the inline-Linear rule.
     _hf("falcon", falcon, text_batch, lm_loss, TEXT_SIZES, {"vmap": "any"}),
     _hf("distilbert", distilbert, cls_batch, cls_loss, {**TEXT_SIZES, "B=labels": 3}, {"vmap": "any"}),
     # Disentangled attention: the relative-position table (a parameter used outside its module,

@@ -55,7 +55,7 @@ from opake_fx.dpsgd.clipping import _rules_fallback as FB
 from opake_fx.dpsgd.clipping._rule import BuildContext, Rule, first_input
 from opake_fx.dpsgd.clipping._rules_elementwise import ELEMENTWISE, watch
 from opake_fx.dpsgd.clipping._rules_embedding import LookupRule
-from opake_fx.dpsgd.clipping._rules_linear import ProjectionRule
+from opake_fx.dpsgd.clipping._rules_linear import InlineLinearRule
 from opake_fx.dpsgd.clipping._rules_fallback import FALLBACK
 from opake_fx.dpsgd.clipping._rules_shared import SharedTensors, expand_for_site
 from opake_fx.dpsgd.clipping._tied import sum_of_uses
@@ -474,11 +474,11 @@ class _Capture:
                       call: tuple[Any, ...] | None = None) -> torch.Tensor:
         """A broadcast, table lookup or inline Linear (``call``, see ._rules_elementwise.OnUse) of
         ``module``'s own parameters in its forward: tapped for the elementwise, lookup or
-        projection rule when one of them is differentiated and the probe found the batch as
+        inline-Linear rule when one of them is differentiated and the probe found the batch as
         the first axis of ``expanded``; else left as it is (its module's fallback)."""
         if call is not None and call[0] == "linear":
             x, roles, d_in, d_out = call[1:]
-            rule: Rule = ProjectionRule(d_in, d_out, roles)
+            rule: Rule = InlineLinearRule(d_in, d_out, roles)
             params, saved = list(roles.values()), (x,)
         elif call is not None:
             rule, params, saved = LookupRule(call[2]), [name], (call[1],)

@@ -419,14 +419,14 @@ class ConvRule(Rule):
         return conv_grad(module, saved[0], g, roles(names), ctx.mode, ctx.dtype)  # type: ignore[arg-type]
 
 
-class ProjectionRule(Rule):
+class InlineLinearRule(Rule):
     """A Linear layer written inline in the ``forward`` of a module without a rule, on the
     module's own parameters: ``F.linear(x, W[, b])`` or ``x @ W.T`` (Falcon's ``FalconLinear``,
     layers that call ``super().forward``), found by :class:`._rules_elementwise.Broadcasts`
     and taken when its first axis is proven to be the batch: the Linear rule on ``x``. One
     instance per call (its sizes and which parameter plays which role); claims no module."""
 
-    kind = "projection"
+    kind = "inline_linear"
 
     def __init__(self, d_in: int, d_out: int, roles: dict[str, str]) -> None:
         self.d_in, self.d_out, self.roles = d_in, d_out, roles
@@ -442,5 +442,5 @@ class ProjectionRule(Rule):
 
 LINEAR, TRANSPOSED_LINEAR, CONV = LinearRule(), TransposedLinearRule(), ConvRule()
 
-__all__ = ["CONV", "LINEAR", "TRANSPOSED_LINEAR", "MatmulGrad", "ProjectionRule", "Rearranged", "TransposedWeight", "choose_method",
+__all__ = ["CONV", "LINEAR", "TRANSPOSED_LINEAR", "InlineLinearRule", "MatmulGrad", "Rearranged", "TransposedWeight", "choose_method",
            "conv_grad", "is_transformers_conv1d", "linear_grad", "projection_grad", "transposed_linear_grad"]
