@@ -1,11 +1,13 @@
-"""Recurrent layers on the fast backends: the module fallback, never the whole-loss one.
+"""Recurrent layers on the fast backends: unrolled over time, each weight a Linear.
 
 A batch-first ``nn.RNN``/``nn.GRU``/``nn.LSTM`` call returns ``h_n`` (and ``c_n``) with the
 batch on their second axis. That shape made the call undecidable, so every recurrent weight
 took the whole-loss fallback (the whole model once per example). The recurrent entry now
-splits the call per example along each tensor's own batch axis (input and output first,
-``hx`` and ``h_n``/``c_n`` second, by the module's contract): exact against a float64
-per-example loop, with the whole-loss fallback made an error.
+recomputes the call step by step from tapped projections (``weight_ih`` over the whole
+sequence, ``weight_hh`` over the stacked steps); where it cannot (``proj_size``, dropout
+between layers in training), the module fallback splits the call along each tensor's own
+batch axis (input and output first, ``hx`` and ``h_n``/``c_n`` second). Exact against a
+float64 per-example loop, with every fallback made an error where the rule applies.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from opake_fx.dpsgd.clipping import _ghost
+from opake_fx.dpsgd.clipping import _ghost, _rules_fallback
 from opake_fx.functional import make_functional
 from tests.dpsgd.test_ghost_norm_like import assert_exact, mse, reference, run
 
@@ -48,29 +50,74 @@ class Net(nn.Module):
 @pytest.mark.parametrize("read", ["output", "h_n", "hx"])
 @pytest.mark.parametrize("layers,bidirectional", [(1, False), (2, False), (2, True)])
 @pytest.mark.parametrize("kind", [nn.RNN, nn.GRU, nn.LSTM])
-@pytest.mark.parametrize("b", [1, 5, T, 4])  # 4 = layers * directions of the (2, True) case
-def test_recurrent_layers_take_the_module_fallback_exactly(kind: type, layers: int, bidirectional: bool, read: str,
-                                                           b: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("b", [1, T, 4])  # T = 5 (odd); 4 = layers * directions of the (2, True) case
+@pytest.mark.parametrize("backend", ["ghost", "auto"])
+def test_recurrent_layers_take_the_recurrent_rule_exactly(kind: type, layers: int, bidirectional: bool, read: str,
+                                                          b: int, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
 
     def fail(*a: Any, **k: Any) -> None:
-        raise AssertionError("a recurrent layer took the whole-loss fallback")
+        raise AssertionError("a recurrent layer took a fallback")
 
     monkeypatch.setattr(_ghost, "_whole_loss_per_example", fail)
+    monkeypatch.setattr(_rules_fallback, "module_per_example", fail)
     x = torch.randn(b, T, F_IN, dtype=torch.float64)
-    slow = assert_exact(Net(kind, layers, bidirectional, read), x, "auto", None)
-    assert all("whole-loss" not in s for s in slow), slow
+    slow = assert_exact(Net(kind, layers, bidirectional, read), x, backend, None)
+    assert not slow, slow
 
 
 def test_float32_recurrent_layers_match_the_float64_oracle() -> None:
-    """float32 (vmap cannot run torch's GRU kernels per example either: the fallback loops, and says so)."""
     torch.manual_seed(1)
     model = Net(nn.GRU, 2, True, "h_n")
     x, y = torch.randn(5, T, F_IN), torch.randn(5, 2)
     fmodel, params = make_functional(model)
     want, norms = reference(mse(fmodel), [p.double() for p in params], x.double(), y.double(), 0.5)
     out, aux, slow = run("auto", model, x, y, 0.5)
-    assert slow and all("whole-loss" not in s for s in slow), slow
+    assert not slow, slow
     torch.testing.assert_close(aux.grad_norms.double(), norms, rtol=1e-4, atol=1e-6)
     for got, ref in zip(out.pytree, want):
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+class Projected(nn.Module):
+    """An LSTM with ``proj_size`` (outside the rule's equations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(F_IN, HID, num_layers=1, batch_first=True, proj_size=2)
+        self.head = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+def test_a_call_outside_the_rule_takes_the_split_module_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(2)
+
+    def fail(*a: Any, **k: Any) -> None:
+        raise AssertionError("a recurrent layer took the whole-loss fallback")
+
+    monkeypatch.setattr(_ghost, "_whole_loss_per_example", fail)
+    slow = assert_exact(Projected(), torch.randn(5, T, F_IN, dtype=torch.float64), "auto", None)
+    assert any("per-module fallback" in s and "rnn" in s for s in slow), slow
+
+
+class Twice(nn.Module):
+    """One GRU applied to two sequences (two calls: cross terms of the same weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(F_IN, HID, batch_first=True)
+        self.head = nn.Linear(HID, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, _ = self.rnn(x)
+        second, _ = self.rnn(torch.tanh(x.flip(1)))
+        return self.head(first + second)
+
+
+def test_a_recurrent_layer_called_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(3)
+    monkeypatch.setattr(_rules_fallback, "module_per_example", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
+    slow = assert_exact(Twice(), torch.randn(5, T, F_IN, dtype=torch.float64), "auto", None)
+    assert not slow, slow

@@ -649,8 +649,8 @@ CASES: list[Case] = [
     _hf("bart", bart, seq2seq_batch, bart_loss, {"odd": 3, "B=T_enc": SEQ, "B=T_dec": T5_DEC, "B=heads": HEADS},
         {"vmap": "any"}),
     Case("convnext_block", ConvNeXtBlock, image_batch(3, 8, 3), ce_loss, {"odd": 5, "B=C": 4, "B=H=W": 4}, FAST),
-    Case("bigru", BiGRU, ids_cls_batch, ce_loss, {"odd": 5, "B=T": SEQ, "B=layers*dirs": 4},
-         {"vmap": "any", "ghost": "slow", "auto": "slow"}),
+    # The recurrent rule: unrolled over time from tapped projections.
+    Case("bigru", BiGRU, ids_cls_batch, ce_loss, {"odd": 5, "B=T": SEQ, "B=layers*dirs": 4}, {**FAST, "vmap": "any"}),
     Case("embedding_bag", Bag2d, bag_batch, ce_loss, {"odd": 5, "B=L": BAG_LEN, "B=dim": 8}, FAST),
     # The flat form: the ids tensor has no batch axis; total tokens can equal B.
     Case("embedding_bag_offsets", BagOffsets, bag_offsets_batch, bag_offsets_loss, {"odd": 5, "B=L": BAG_LEN, "B=dim": 8},

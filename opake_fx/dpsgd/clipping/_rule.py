@@ -141,9 +141,18 @@ def refuse_sequence_first(module: nn.Module, args: tuple[Any, ...], kwargs: dict
         )
 
 
+def same_output(ours: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Whether a rule's recomputation of a call reproduces the module's own output (to 1e-4
+    relative, 1e-5 of the largest entry): the check a rewriting rule makes before it replaces
+    an output (it guards correctness; the clip bound holds either way). One host read."""
+    ref = ref.detach()
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    return bool(torch.allclose(ours.detach(), ref, rtol=1e-4, atol=1e-5 * scale + 1e-30))
+
+
 def roles(names: dict[str, int]) -> dict[str, str]:
     """``{name: name}``: a module's own parameter names are their roles ("weight", "bias")."""
     return {n: n for n in names}
 
 
-__all__ = ["BuildContext", "Rule", "first_input", "refuse_sequence_first", "roles"]
+__all__ = ["BuildContext", "Rule", "first_input", "refuse_sequence_first", "roles", "same_output"]

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opake_fx.dpsgd.clipping._rule import BuildContext, refuse_sequence_first
+from opake_fx.dpsgd.clipping._rule import BuildContext, refuse_sequence_first, same_output
 from opake_fx.dpsgd.clipping._rules_fallback import FallbackRule
 from opake_fx.dpsgd.clipping._rules_linear import LINEAR, LinearRule, MatmulGrad, Rearranged, projection_grad
 
@@ -104,12 +104,6 @@ def _attention_forward(module: nn.MultiheadAttention, call: dict[str, Any], drop
         return None
     out = F.linear(ctx, module.out_proj.weight, module.out_proj.bias)
     return tap(LINEAR, module.out_proj, out_names, ctx, out)
-
-
-def _same_output(ours: torch.Tensor, ref: torch.Tensor) -> bool:
-    ref = ref.detach()
-    scale = float(ref.abs().max()) if ref.numel() else 0.0
-    return bool(torch.allclose(ours.detach(), ref, rtol=1e-4, atol=1e-5 * scale + 1e-30))
 
 
 def _attention_core(q_proj: torch.Tensor, kv_proj: torch.Tensor, heads: int, call: dict[str, Any],
@@ -208,7 +202,7 @@ class AttentionRule(FallbackRule):
         if out is None:
             return None
         if dropout == 0 and key not in cache:  # once per module and call signature (host synchronisations)
-            cache[key] = _same_output(out, output[0])
+            cache[key] = same_output(out, output[0])
             if not cache[key]:
                 return None  # the caller registers the taps only for a replaced output
         return out, None
@@ -226,7 +220,7 @@ def _matches_without_dropout(module: nn.MultiheadAttention, args: tuple[Any, ...
                 ours = _attention_forward(module, call, 0.0, lambda rule, owner, used, a, y, block=None: y, {}, {})
         finally:
             module.dropout = rate
-        cache[signature] = ours is not None and _same_output(ours, ref)
+        cache[signature] = ours is not None and same_output(ours, ref)
     return cache[signature]
 
 
