@@ -713,10 +713,20 @@ def _fallback_rule(use: _Use, names: dict[str, int], batch: int) -> Any:
 
 def _leaf_use_counts(losses: torch.Tensor, index: dict[int, int]) -> dict[int, int]:
     """How many autograd edges lead into each differentiated leaf (its uses in the graph)."""
+    return _leaf_edges([losses], index)
+
+
+def _leaves_reached(tensors: list[torch.Tensor], index: dict[int, int]) -> set[int]:
+    """The differentiated leaves the autograd graphs of ``tensors`` lead into."""
+    return {index[id(t)] for t in tensors if id(t) in index} | set(_leaf_edges(tensors, index))
+
+
+def _leaf_edges(tensors: list[torch.Tensor], index: dict[int, int]) -> dict[int, int]:
+    """For each differentiated leaf (``index``: id -> leaf), the autograd edges into it from
+    the graphs of ``tensors`` (one walk over their nodes)."""
     counts: dict[int, int] = {}
-    if losses.grad_fn is None:
-        return counts
-    stack, seen = [losses.grad_fn], {losses.grad_fn}
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen = set(stack)
     while stack:
         node = stack.pop()
         for nxt, _ in node.next_functions:
@@ -731,26 +741,6 @@ def _leaf_use_counts(losses: torch.Tensor, index: dict[int, int]) -> dict[int, i
                 seen.add(nxt)
                 stack.append(nxt)
     return counts
-
-
-def _leaves_reached(tensors: list[torch.Tensor], index: dict[int, int]) -> set[int]:
-    """The differentiated leaves the autograd graphs of ``tensors`` lead into."""
-    found = {index[id(t)] for t in tensors if id(t) in index}
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    seen = set(stack)
-    while stack:
-        node = stack.pop()
-        for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
-            var = getattr(nxt, "variable", None)
-            if var is not None:
-                if id(var) in index:
-                    found.add(index[id(var)])
-            elif nxt not in seen:
-                seen.add(nxt)
-                stack.append(nxt)
-    return found
 
 
 def _adds_up(pe: torch.Tensor, batch_grad: torch.Tensor | None) -> bool | None:
