@@ -23,7 +23,39 @@ the modules that take their own rules beyond Linear/conv/embedding/norm layers:
   ``T5LayerNorm`` takes the norm-like rule; the relative-attention bias tables are looked up
   with ``[T, T]`` bucket tensors (no batch axis) and take the exact whole-loss fallback.
 
-All at batch 16 of 64 tokens, 2 threads. Variants: ``non-private`` (mean loss, backward,
+Issue 29's architectures, the same size (2 layers, d 128, 4 heads, MLP 512, vocab 5000, the
+models' default dropout in training mode); what one ``clip_backend="auto"`` step warns
+(``SlowPathWarning``) is recorded with each (none, as of the library this was written against):
+
+* ``opt`` — OPT causal LM (tied head), called without an attention mask: OPT builds an
+  all-ones one and takes its positions from its cumulative sum; the decoder layers flatten
+  to ``[B * T, d]`` before ``fc1``/``fc2``, rows the Linear/LayerNorm rules read as
+  ``[B, T, d]``. No warning.
+* ``gemma`` — Gemma causal LM (``(1 + w)`` RMSNorm, head_dim 32, 4 key/value heads, tied
+  head): the norm-like rule, the lookup rule for its scaled embedding, the tied cross
+  terms. No warning.
+* ``falcon`` — Falcon-7B-style (multi-query, parallel attention, no biases, rotary): its
+  ``FalconLinear`` (``input @ weight.T`` in its own forward) takes the inline-Linear rule.
+  No warning.
+* ``distilbert`` — DistilBERT classifier (4 labels) called without ``position_ids``: the
+  position table is looked up on ``[1, T]`` and added to the batch (the shared-tensor
+  rule). No warning.
+* ``deberta-v2`` — DeBERTa-v2 classifier (relative attention, 32 buckets, p2c + c2p, no
+  absolute positions, no token types): the relative table meets the batch through
+  ``repeat(B, 1, 1)`` + ``bmm`` (the shared-tensor rule's repeat site). No warning.
+* ``bart`` — BART encoder-decoder (2 + 2 layers) on 64 source and 64 target tokens: learned
+  positions looked up on ``[T]`` (shared calls). No warning.
+* ``gpt2-default-positions`` — ``gpt2-full`` called without ``position_ids`` (``wpe`` on
+  ``[1, T]``, the shared-tensor rule). No warning.
+* ``bigru`` — torch-native: embedding, 2-layer bidirectional batch-first ``nn.GRU``
+  (128 -> 128), linear head (4 classes) on the mean over time: the recurrent rule (the GRU
+  recomputed step by step, its weights tapped as Linears). No warning.
+* ``convnext`` — torch-native ConvNeXt-style on 32 x 32 images (4 x 4 stride-4 stem to 64
+  channels, 2 blocks of depthwise 7 x 7 conv, channels-last LayerNorm, MLP 64 -> 256 -> 64,
+  layer scale ``gamma * y`` in the block's forward, residual; 10 classes): the depthwise
+  conv rule and the elementwise rule for ``gamma``. No warning.
+
+All at batch 16 (of 64 tokens for text), 2 threads. Variants: ``non-private`` (mean loss, backward,
 SGD), ``floor`` (the same step plus one in-line draw of as many normals as there are
 trained parameters with opake_fx's keyed generator: the least any DP step costs),
 ``opake-auto`` and ``opake-vmap`` (``clipped_grad`` with C = 1, ``gaussian_noise``,
@@ -34,7 +66,10 @@ here: its hooks have no per-sample rule for most of these modules). Timing is in
 memory is the peak RSS growth of 2 steps after setup, in a fresh process per variant.
 HF workloads need the ``hf`` extra and are skipped without it.
 
-    python benchmarks/architectures.py --quick       # about 2.5 minutes on 2 cores
+With ``--quick``, an issue-29 workload whose 7 rounds would take over 30 s (a loaded
+machine, a slow fallback) gets fewer, at least one, noted under the table.
+
+    python benchmarks/architectures.py --quick       # about 7.5 minutes on 2 cores
     python benchmarks/architectures.py --quick --compiled   # + the compiled steps
 """
 
@@ -61,7 +96,12 @@ from opake_fx.functional import make_functional  # noqa: E402
 from opake_fx.random import flat_tree_normal, fold_in, key  # noqa: E402
 
 B, T, D, HEADS, LR = 16, 64, 128, 4, 0.05
-WORKLOADS = ["torch-encoder", "gpt2-full", "gpt2-lora", "bert-cls", "gpt-neox", "llama", "t5"]
+WORKLOADS = ["torch-encoder", "gpt2-full", "gpt2-lora", "bert-cls", "gpt-neox", "llama", "t5",
+             # issue 29's architectures
+             "opt", "gemma", "falcon", "distilbert", "deberta-v2", "bart", "gpt2-default-positions", "bigru", "convnext"]
+TORCH_NATIVE = ("torch-encoder", "bigru", "convnext")
+ISSUE_29 = WORKLOADS[7:]
+QUICK_BUDGET_S = 30.0  # --quick: timed seconds per issue-29 workload, the rounds are capped to fit
 VARIANTS = ["non-private", "floor", "opake-auto", "opake-vmap"]
 COMPILED = ["opake-auto-compiled", "opake-vmap-compiled"]  # with --compiled
 COMPILE_S: dict[str, float] = {}  # variant -> seconds of its compiling first steps (the last workload built)
@@ -80,6 +120,48 @@ class TorchEncoderLM(nn.Module):
         return self.head(self.enc(self.emb(ids), mask=mask, is_causal=True))
 
 
+class BiGRU(nn.Module):
+    """Token embedding, a 2-layer bidirectional batch-first GRU, a head on the mean over time."""
+
+    def __init__(self, vocab: int = 5000, classes: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, D)
+        self.rnn = nn.GRU(D, D, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(2 * D, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.emb(ids))
+        return self.head(out.mean(1))
+
+
+class ConvNeXtBlock(nn.Module):
+    """Depthwise 7x7 conv, channels-last LayerNorm, pointwise MLP (x4), layer scale, residual."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.pw1, self.pw2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        self.gamma = nn.Parameter(torch.full((c,), 1e-1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.pw2(F.gelu(self.pw1(self.norm(self.dw(x).permute(0, 2, 3, 1)))))
+        return x + (self.gamma * y).permute(0, 3, 1, 2)
+
+
+class ConvNeXt(nn.Module):
+    """A 4x4 stride-4 stem (3 -> 64 channels), 2 ConvNeXt blocks, global mean, a linear head."""
+
+    def __init__(self, c: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 4, stride=4)
+        self.blocks = nn.Sequential(ConvNeXtBlock(c), ConvNeXtBlock(c))
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
 def build(workload: str) -> tuple[nn.Module, Callable[[Any, Any, torch.Tensor, torch.Tensor], torch.Tensor],
                                    torch.Tensor, torch.Tensor, Callable[[str], bool]]:
     """Model, per-example losses ``(fmodel, params, x, y) -> [B]``, data, and which parameters train."""
@@ -93,11 +175,23 @@ def build(workload: str) -> tuple[nn.Module, Callable[[Any, Any, torch.Tensor, t
             return F.cross_entropy(fmodel(p, x).transpose(1, 2), y, reduction="none").mean(1)
 
         return TorchEncoderLM().train(), lm, ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), everything
+    if workload in ("bigru", "convnext"):
+        if workload == "bigru":
+            model, x = BiGRU(), torch.randint(0, 5000, (B, T), generator=g)
+            labels = torch.randint(0, 4, (B,), generator=g)
+        else:
+            model, x = ConvNeXt(), torch.randn(B, 3, 32, 32, generator=g)
+            labels = torch.randint(0, 10, (B,), generator=g)
+
+        def native(fmodel: Any, p: Any, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(fmodel(p, xb), yb, reduction="none")
+
+        return model.train(), native, x, labels, everything
     import transformers  # the hf extra
 
     transformers.utils.logging.set_verbosity_error()
     positions = torch.arange(T).expand(B, T)
-    if workload in ("gpt2-full", "gpt2-lora"):
+    if workload in ("gpt2-full", "gpt2-lora", "gpt2-default-positions"):
         config = transformers.GPT2Config(vocab_size=5000, n_positions=T, n_embd=D, n_layer=2, n_head=HEADS,
                                          bos_token_id=0, eos_token_id=0)
         model: nn.Module = transformers.GPT2LMHeadModel(config)
@@ -110,8 +204,11 @@ def build(workload: str) -> tuple[nn.Module, Callable[[Any, Any, torch.Tensor, t
             trains = lambda name: "lora_" in name  # noqa: E731
         ids = torch.randint(0, 5000, (B, T), generator=g)
 
+        default_positions = workload == "gpt2-default-positions"  # GPT-2 looks positions up on [1, T]
+
         def causal(fmodel: Any, p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            logits = fmodel(p, input_ids=x, position_ids=positions[: x.shape[0]]).logits
+            pos = {} if default_positions else {"position_ids": positions[: x.shape[0]]}
+            logits = fmodel(p, input_ids=x, **pos).logits
             return F.cross_entropy(logits[:, :-1].transpose(1, 2), y[:, 1:], reduction="none").mean(1)
 
         return model.train(), causal, ids, ids, trains
@@ -125,17 +222,34 @@ def build(workload: str) -> tuple[nn.Module, Callable[[Any, Any, torch.Tensor, t
             return F.cross_entropy(logits, y, reduction="none")
 
         return transformers.BertForSequenceClassification(config).train(), classify, ids, labels, everything
-    if workload in ("gpt-neox", "llama"):
+    if workload in ("gpt-neox", "llama", "gemma", "falcon", "opt"):
         common = dict(vocab_size=5000, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=512,
                       max_position_embeddings=T, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False, use_cache=False)
         if workload == "llama":
             model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=HEADS, **common))
+        elif workload == "gemma":  # Gemma's own default: input embedding and LM head tied
+            model = transformers.GemmaForCausalLM(transformers.GemmaConfig(
+                num_key_value_heads=HEADS, head_dim=D // HEADS, **{**common, "tie_word_embeddings": True}))
+        elif workload == "falcon":  # MLP width 4 d = 512 (Falcon's own)
+            model = transformers.FalconForCausalLM(transformers.FalconConfig(
+                vocab_size=5000, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS,
+                new_decoder_architecture=False, multi_query=True, alibi=False, parallel_attn=True, bias=False,
+                bos_token_id=0, eos_token_id=0, use_cache=False))
+        elif workload == "opt":  # OPT's own default: input embedding and LM head tied
+            model = transformers.OPTForCausalLM(transformers.OPTConfig(
+                vocab_size=5000, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS, ffn_dim=512,
+                word_embed_proj_dim=D, max_position_embeddings=T, pad_token_id=1, bos_token_id=0, eos_token_id=0,
+                use_cache=False))
         else:
             model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**common))
-        ids = torch.randint(0, 5000, (B, T), generator=g)
+        ids = torch.randint(2, 5000, (B, T), generator=g)
+        # OPT derives its positions from the attention mask (cumsum); it is called without one, as
+        # the other workloads are, so it builds the all-ones mask itself.
+        pos_kw = workload != "opt"
 
         def causal_lm(fmodel: Any, p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            logits = fmodel(p, input_ids=x, position_ids=positions[: x.shape[0]]).logits
+            pos = {"position_ids": positions[: x.shape[0]]} if pos_kw else {}
+            logits = fmodel(p, input_ids=x, **pos).logits
             return F.cross_entropy(logits[:, :-1].transpose(1, 2), y[:, 1:], reduction="none").mean(1)
 
         return model.train(), causal_lm, ids, ids, everything
@@ -151,6 +265,36 @@ def build(workload: str) -> tuple[nn.Module, Callable[[Any, Any, torch.Tensor, t
             return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
 
         return transformers.T5ForConditionalGeneration(config).train(), seq2seq, src, tgt, everything
+    if workload in ("distilbert", "deberta-v2"):
+        if workload == "distilbert":
+            config = transformers.DistilBertConfig(vocab_size=5000, dim=D, n_layers=2, n_heads=HEADS, hidden_dim=512,
+                                                   max_position_embeddings=T, num_labels=4, pad_token_id=0)
+            model = transformers.DistilBertForSequenceClassification(config)
+        else:
+            config = transformers.DebertaV2Config(
+                vocab_size=5000, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=512,
+                max_position_embeddings=T, relative_attention=True, position_buckets=32, pos_att_type=["p2c", "c2p"],
+                max_relative_positions=64, position_biased_input=False, type_vocab_size=0, num_labels=4, pad_token_id=0)
+            model = transformers.DebertaV2ForSequenceClassification(config)
+        ids, labels = torch.randint(1, 5000, (B, T), generator=g), torch.randint(0, 4, (B,), generator=g)
+
+        def classify_own_positions(fmodel: Any, p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(fmodel(p, input_ids=x).logits, y, reduction="none")  # no position_ids
+
+        return model.train(), classify_own_positions, ids, labels, everything
+    if workload == "bart":
+        config = transformers.BartConfig(vocab_size=5000, d_model=D, encoder_layers=2, decoder_layers=2,
+                                         encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=512,
+                                         decoder_ffn_dim=512, max_position_embeddings=T, pad_token_id=1, bos_token_id=0,
+                                         eos_token_id=2, decoder_start_token_id=2, use_cache=False)
+        src, tgt = torch.randint(3, 5000, (B, T), generator=g), torch.randint(3, 5000, (B, T), generator=g)
+
+        def bart_seq2seq(fmodel: Any, p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            dec_in = torch.cat([torch.full_like(y[:, :1], 2), y[:, :-1]], dim=1)  # BART's shift_tokens_right
+            logits = fmodel(p, input_ids=x, decoder_input_ids=dec_in).logits
+            return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
+
+        return transformers.BartForConditionalGeneration(config).train(), bart_seq2seq, src, tgt, everything
     raise ValueError(f"unknown workload {workload!r}")
 
 
@@ -227,7 +371,7 @@ def _compiled_step(variant: str, fmodel: Any, losses: Any, train: list[torch.Ten
 
 
 def available(workload: str) -> bool:
-    if workload == "torch-encoder":
+    if workload in TORCH_NATIVE:
         return True
     try:
         import transformers  # noqa: F401
@@ -241,7 +385,8 @@ def available(workload: str) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="7 rounds per workload (default 15)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"7 rounds per workload (default 15); issue 29's workloads: fewer where 7 take over {QUICK_BUDGET_S:.0f} s")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--no-memory", action="store_true")
@@ -253,6 +398,7 @@ def main() -> None:
     variants = [v for v in args.variants.split(",") if v] + (COMPILED if args.compiled else [])
     rows = ["| workload | variant | step (ms) | x non-private | x floor | peak RSS growth (MiB) | memory / non-private |",
             "|---|---|---:|---:|---:|---:|---:|"]
+    reduced: list[str] = []
     t0 = time.perf_counter()
     for w in [w for w in args.workloads.split(",") if w]:
         if not available(w):
@@ -262,7 +408,12 @@ def main() -> None:
         steps = {v: setup_step(w, v) for v in variants}
         if COMPILE_S:
             print(f"# {w}: compile " + ", ".join(f"{v} {t:.1f} s" for v, t in COMPILE_S.items()), file=sys.stderr)
-        timings = profiling.time_interleaved(steps, warmup=2, repeats=rounds, settle=1)
+        if args.quick and w in ISSUE_29:
+            timings, r, settle = _time_within(steps, rounds, QUICK_BUDGET_S)
+            if r < rounds:
+                reduced.append(f"{w} {r} round(s), settle {settle}")
+        else:
+            timings = profiling.time_interleaved(steps, warmup=2, repeats=rounds, settle=1)
         del steps
         mems = {}
         for v in variants if not args.no_memory else []:
@@ -280,6 +431,25 @@ def main() -> None:
     print(f"torch {torch.__version__}, 2 threads, batch {B} x {T} tokens, {rounds} interleaved rounds (medians), "
           f"settle 1; {time.perf_counter() - t0:.0f}s\n")
     print("\n".join(rows))
+    if reduced:
+        print(f"\n--quick: fewer rounds where {rounds} would take over {QUICK_BUDGET_S:.0f} s: " + "; ".join(reduced))
+
+
+def _time_within(steps: dict[str, Callable[[], None]], rounds: int, budget_s: float) -> tuple[dict[str, Any], int, int]:
+    """``time_interleaved`` with at most ``rounds`` rounds, fewer where they would take over ``budget_s``.
+
+    The two warm-up turns are made here, the second timed to size the rounds; a workload
+    whose slowest step takes over a second gets no settle call (a settle absorbs cache and
+    allocator effects of the previous variant, small next to such a step)."""
+    last: dict[str, float] = {}
+    for _ in range(2):
+        for v, fn in steps.items():
+            t = time.perf_counter()
+            fn()
+            last[v] = time.perf_counter() - t
+    settle = 0 if max(last.values()) > 1.0 else 1
+    r = max(1, min(rounds, int(budget_s // ((settle + 1) * sum(last.values())))))
+    return profiling.time_interleaved(steps, warmup=0, repeats=r, settle=settle), r, settle
 
 
 if __name__ == "__main__":
