@@ -144,7 +144,7 @@ class _NormBackend:
                 batch_grads = list(grads[1:])
         finally:
             capture.close()
-            shared_pe = capture.shared_per_example()
+        shared_pe = capture.shared_per_example()
         rules = capture.rules
         for u in capture.uses:  # module fallbacks run now, outside the backward pass
             if u.rule.deferred and u.pending is not None:
@@ -161,12 +161,15 @@ class _NormBackend:
             if rule is not None:
                 combined[i] = rule
         per_ex: dict[int, torch.Tensor] = {}
+        listed = set(verify) | set(decided) | (capture.multi - set(combined))
         for i, check in (list(zip(verify, batch_grads)) + [(i, None) for i in decided]
-                         + [(i, None) for i in sorted(capture.multi) if i not in combined]):
+                         + [(i, None) for i in sorted(capture.multi) if i not in combined]
+                         + [(i, None) for i in sorted(shared_pe) if i not in listed]):  # read through shared tensors
             if i in capture.whole:
                 continue
             parts = [rules[id(u)].per_example(n) for u, n in capture.uses_of(i) if rules.get(id(u)) is not None]
-            pe = sum(parts[1:], parts[0]) if parts else torch.zeros((batch, *leaves[i].shape), dtype=leaves[i].dtype, device=leaves[i].device)
+            zero_dtype = shared_pe[i].dtype if i in shared_pe else leaves[i].dtype
+            pe = sum(parts[1:], parts[0]) if parts else torch.zeros((batch, *leaves[i].shape), dtype=zero_dtype, device=leaves[i].device)
             if i in capture.fallback and i not in verdicts:
                 found = _adds_up(pe, check)
                 if found is not None and batch:  # (a verdict of the real layout, kept for this signature)
@@ -177,10 +180,6 @@ class _NormBackend:
                 capture.why.setdefault(i, ("used somewhere its module's own call cannot see", use.module, name))
                 continue
             per_ex[i] = pe + shared_pe[i].to(pe.dtype) if i in shared_pe else pe
-        for i in sorted(set(shared_pe) - set(per_ex) - capture.whole):
-            parts = [rules[id(u)].per_example(n) for u, n in capture.uses_of(i) if rules.get(id(u)) is not None]
-            pe = shared_pe[i]
-            per_ex[i] = sum((p.to(pe.dtype) for p in parts), pe)
         module_fallback = sorted(i for i in capture.fallback if i in per_ex)
         if module_fallback:
             _warn_module_fallback(self.root, self.mode, capture, module_fallback)
@@ -362,8 +361,8 @@ class _Capture:
                     ops = sorted(set(self.following.escaped)) if self.following is not None else []
                     self.why.setdefault(i, (
                         "its module's outputs have no batch axis and meet the batch in an op the shared-tensor rule "
-                        f"does not take ({', '.join(ops) or 'outside the followed ops'}; it takes + - * / and where, "
-                        "and the attn_mask of scaled_dot_product_attention)", *self.shared_calls[i]))
+                        f"does not take ({', '.join(ops) or 'outside the followed ops'}; it takes + - * /, where, the "
+                        "attn_mask of scaled_dot_product_attention and repeat over the batch)", *self.shared_calls[i]))
                 else:
                     self.whole.add(i)
                     self.why.setdefault(i, ("used outside any module call (e.g. directly in loss_fn)", None, ""))

@@ -24,8 +24,9 @@ backward pass and each example's loss run alone), on the tensors whose rows the 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import optree
 import torch
@@ -82,16 +83,8 @@ class BatchLayout:
     def shared_call(self, module: nn.Module, inputs: list[torch.Tensor], outputs: list[torch.Tensor], batch: int) -> bool:
         """Whether this call's outputs have no batch axis at all (a constant shape at every
         batch size, by provenance): a shared call (._rules_shared)."""
-        if not outputs:
-            return False
-        found = None
-        for tin, tout, _, _ in self.templates.get(id(module), []):
-            if _matches(tin, inputs, batch) and _matches(tout, outputs, batch):
-                free = all(k == 0 for k, _ in tout)
-                if found is not None and found != free:
-                    return False
-                found = free
-        return bool(found)
+        return bool(outputs) and bool(self._decide(module, inputs, outputs, batch,
+                                                   lambda tin, tout, vin, vout: all(k == 0 for k, _ in tout)))
 
     def shared_verdict(self, k: int, func: Any, shapes: list[Shape], batch: int) -> int | None:
         """For the ``k``-th op that reads a shared tensor: the rows per example of its single
@@ -102,11 +95,8 @@ class BatchLayout:
         func_k, template = self.shared_ops[k]
         if func_k != func or not _matches_shapes(template, shapes, batch):
             return None
-        if all(kk == 0 for kk, _ in template):
-            return 0
-        if len(template) == 1 and (template[0][0] == 1 or (template[0][0] > 1 and self.grouped)):
-            return template[0][0]
-        return None
+        rows = result_rows(template)
+        return None if rows is not None and rows > 1 and not self.grouped else rows
 
     def following(self, modules: list[nn.Module], batch: int, on_site: OnSite | None) -> tuple[SharedTensors, list[Any]]:
         """A :class:`SharedTensors` mode that follows this layout's shared tensors in a batch of
@@ -117,12 +107,19 @@ class BatchLayout:
     def lookup(self, module: nn.Module, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
                batch: int) -> tuple[tuple[bool, ...], tuple[bool, ...]] | None:
         """``(inputs batched, outputs batched)`` for a call in a batch of ``batch``, or None if undecidable."""
+        return self._decide(module, inputs, outputs, batch, lambda tin, tout, vin, vout: (vin, vout))
+
+    def _decide(self, module: nn.Module, inputs: list[torch.Tensor], outputs: list[torch.Tensor], batch: int,
+                verdict: Callable[[Template, Template, tuple[bool, ...], tuple[bool, ...]], Any]) -> Any:
+        """``verdict`` of the templates of ``module`` this call matches, or None when none matches
+        or two give different verdicts (no guess)."""
         found = None
         for tin, tout, vin, vout in self.templates.get(id(module), []):
             if _matches(tin, inputs, batch) and _matches(tout, outputs, batch):
-                if found is not None and found != (vin, vout):
+                v = verdict(tin, tout, vin, vout)
+                if found is not None and found != v:
                     return None  # two templates fit with different verdicts: no guess
-                found = (vin, vout)
+                found = v
         return found
 
     def rows_per_example(self, module: nn.Module, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
@@ -139,14 +136,8 @@ class BatchLayout:
              batch: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """Rows per example of each input and output (``k`` of ``[k B, ...]``; 0 when the tensor
         has no batch axis first), or None if undecidable."""
-        found = None
-        for tin, tout, _, _ in self.templates.get(id(module), []):
-            if _matches(tin, inputs, batch) and _matches(tout, outputs, batch):
-                rows = (tuple(max(k, 0) for k, _ in tin), tuple(max(k, 0) for k, _ in tout))
-                if found is not None and found != rows:
-                    return None
-                found = rows
-        return found
+        return self._decide(module, inputs, outputs, batch, lambda tin, tout, vin, vout: (
+            tuple(max(k, 0) for k, _ in tin), tuple(max(k, 0) for k, _ in tout)))
 
     def broadcast_rows(self, module: nn.Module, use: int, expanded: torch.Tensor, batch: int) -> int:
         """1 when the elementwise rule reads the broadcast ``use`` as batched, else 0."""
@@ -178,15 +169,9 @@ def probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], k
 def _probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
            batch_argnums: tuple[int, ...], has_aux: bool, batch: int) -> BatchLayout:
     runs: list[list[_Call]] = []
-    modes = [(m, m.training) for m in root.modules()]
-    try:
-        root.eval()  # deterministic: dropout off (the shapes do not depend on it)
+    with _in_eval(root):  # deterministic: dropout off (the shapes do not depend on it)
         for n in _SIZES:
-            index = torch.arange(n) % batch
-            sub = tuple(
-                optree.tree_map(lambda t: t[index.to(t.device)], a, namespace=NAMESPACE) if i in batch_argnums else a
-                for i, a in enumerate(args)
-            )
+            sub = _sub_batch(args, batch_argnums, n, batch)
             calls: list[_Call] = []
             modules = list(root.modules())
             handles = [m.register_forward_hook(_recorder(calls), with_kwargs=True)
@@ -201,9 +186,6 @@ def _probe(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...], 
                 for h in handles:
                     h.remove()
             runs.append(calls)
-    finally:
-        for m, mode in modes:
-            m.training = mode
     small, large = runs
     if len(small) != len(large) or any(a.module is not b.module or len(a.inputs) != len(b.inputs)
                                        or len(a.outputs) != len(b.outputs) for a, b in zip(small, large)):
@@ -253,15 +235,9 @@ def _probe_shared(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any,
     what follows from it), and keeps the ops a following run reaches, with their templates;
     empty when the runs disagree or fail (the parameters then keep the exact fallback)."""
     runs: list[list[OpRecord]] = []
-    modes = [(m, m.training) for m in root.modules()]
-    try:
-        root.eval()
+    with _in_eval(root):
         for n in _SIZES:
-            index = torch.arange(n) % batch
-            sub = tuple(
-                optree.tree_map(lambda t: t[index.to(t.device)], a, namespace=NAMESPACE) if i in batch_argnums else a
-                for i, a in enumerate(args)
-            )
+            sub = _sub_batch(args, batch_argnums, n, batch)
             mode = SharedTensors()
             handles = _seed_hooks(list(root.modules()), mode,
                                   lambda m, i, o, n=n: layout.shared_call(m, i, o, n))
@@ -274,20 +250,37 @@ def _probe_shared(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any,
                 for h in handles:
                     h.remove()
             runs.append(mode.records)
-    finally:
-        for m, was in modes:
-            m.training = was
-
-    def batched(a: OpRecord, b: OpRecord) -> bool | None:
-        template, _ = _template(a.outputs, b.outputs)
-        if all(k == 0 for k, _ in template):
-            return False
-        return True if len(template) == 1 and template[0][0] == 1 else None
-
-    reached = number_reached(runs[0], runs[1], batched)
+    reached = number_reached(runs[0], runs[1], lambda a, b: result_rows(_template(a.outputs, b.outputs)[0]))
     if reached is None:
         return []
     return [(func, _template(a.outputs, b.outputs)[0]) for func, a, b in reached]
+
+
+def result_rows(template: Template) -> int | None:
+    """Rows per example of an op's result from its template: 0 when no result has a batch
+    axis, ``k`` for a single result of ``k`` rows per example (1: the batch first), None otherwise."""
+    if all(k == 0 for k, _ in template):
+        return 0
+    return template[0][0] if len(template) == 1 and template[0][0] >= 1 else None
+
+
+@contextmanager
+def _in_eval(root: nn.Module) -> Iterator[None]:
+    """``root`` in eval mode for the body, every module's mode restored after."""
+    modes = [(m, m.training) for m in root.modules()]
+    try:
+        root.eval()
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _sub_batch(args: tuple[Any, ...], batch_argnums: tuple[int, ...], n: int, batch: int) -> tuple[Any, ...]:
+    """The arguments with their batched ones cut to ``n`` examples (repeating them when ``batch < n``)."""
+    index = torch.arange(n) % batch
+    return tuple(optree.tree_map(lambda t: t[index.to(t.device)], a, namespace=NAMESPACE) if i in batch_argnums else a
+                 for i, a in enumerate(args))
 
 
 def _seed_hooks(modules: list[nn.Module], mode: SharedTensors,

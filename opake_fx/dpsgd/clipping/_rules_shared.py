@@ -270,11 +270,11 @@ class SharedTensors(TorchFunctionMode):
 
 
 def number_reached(small: list[OpRecord], large: list[OpRecord],
-                   batched: Callable[[OpRecord, OpRecord], bool | None]) -> list[tuple[Any, OpRecord, OpRecord]] | None:
+                   rows: Callable[[OpRecord, OpRecord], int | None]) -> list[tuple[Any, OpRecord, OpRecord]] | None:
     """The ops a following run reaches, in order, from two recording runs (sub-batches of 2
     and 3): an op is reached when one of its shared operands comes from a shared call or from
-    a reached op whose result has no batch axis (``batched(...) is False``). None when the
-    two runs recorded different ops."""
+    a reached op whose result has no batch axis (``rows(...) == 0``). None when the two runs
+    recorded different ops."""
     if len(small) != len(large) or any(a.func != b.func or a.producers != b.producers
                                        or len(a.outputs) != len(b.outputs) for a, b in zip(small, large)):
         return None
@@ -284,7 +284,7 @@ def number_reached(small: list[OpRecord], large: list[OpRecord],
         if not any(p in free for p in a.producers):
             continue
         reached.append((a.func, a, b))
-        if batched(a, b) is False:
+        if rows(a, b) == 0:
             free.add(k)
     return reached
 
