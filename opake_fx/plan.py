@@ -1215,14 +1215,13 @@ def _loss_recording(factory: Callable[..., Any], loss_fn: Callable[..., Any], cl
     import torch
 
     from opake_fx.dpsgd.clipping import (adaptive_clip, adaptive_clipped_grad, as_stage, auto_clip, auto_clipped_grad,
-                                         clipped_grad)
+                                         clip, clipped_grad)
     from opake_fx.pytree import NAMESPACE
     from opake_fx.transforms import Transform
 
-    makers = {clip_fn: grad_fn for clip_fn, grad_fn in ((adaptive_clip, adaptive_clipped_grad),
-                                                          (auto_clip, auto_clipped_grad))}
+    makers = {clip: clipped_grad, adaptive_clip: adaptive_clipped_grad, auto_clip: auto_clipped_grad}
     inner_factory = factory.func if isinstance(factory, functools.partial) else factory
-    maker = makers.get(inner_factory, clipped_grad)
+    maker = makers[inner_factory]  # (a stage kind without a recording form is a KeyError, never another mode)
     if inner_factory is adaptive_clip:
         maker = functools.partial(maker, key=count_key)
     # the privacy statement of the stage this one stands for (built, not run: it draws nothing)

@@ -40,12 +40,15 @@ from opake_fx.dpsgd.clipping import _numerics as N
 from opake_fx.dpsgd.clipping._rule import BuildContext, Rule
 
 _EXPAND = (torch.Tensor.expand, torch.Tensor.expand_as)
-_ADD = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)
-# Other two-operand elementwise ops a parameter may broadcast through (a layer scale ``x * gamma``):
-# the tap's gradient is then the parameter's own (``g * x`` for a product), summed as for add.
-_OTHER = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
-          torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__,
-          torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__)
+#: Two-operand elementwise ops with broadcasting: a parameter broadcast through one (``x + P``, a
+#: layer scale ``x * gamma``) is tapped; the tap's gradient is then the parameter's own (``g * x``
+#: for a product), summed over the broadcast axes. Also the shared-tensor rule's sites.
+BINARY_OPS = frozenset({
+    torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__,
+    torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__,
+    torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
+    torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__,
+})
 
 #: ``(module, use number, parameter name, E, call) -> replacement for E`` (or E itself); ``call`` is
 #: None for a broadcast, ``("lookup", ids, padding_idx)`` for a table lookup (``E = F.embedding(ids,
@@ -138,7 +141,7 @@ class Broadcasts(TorchFunctionMode):
         if func in _EXPAND:
             name = self.params.get(id(args[0]))
             param = args[0]
-        elif (func in _ADD or func in _OTHER) and len(args) == 2 and not kwargs and isinstance(args[1], torch.Tensor):
+        elif func in BINARY_OPS and len(args) == 2 and not kwargs and isinstance(args[1], torch.Tensor):
             a, b = self.params.get(id(args[0])), self.params.get(id(args[1]))
             if (a is None) == (b is None):
                 return None  # no parameter of ours, or two
@@ -233,4 +236,4 @@ class ElementwiseRule(Rule):
 
 ELEMENTWISE = ElementwiseRule()
 
-__all__ = ["ELEMENTWISE", "Broadcasts", "ElementwiseRule", "direct_parameters", "watch"]
+__all__ = ["BINARY_OPS", "ELEMENTWISE", "Broadcasts", "ElementwiseRule", "direct_parameters", "watch"]

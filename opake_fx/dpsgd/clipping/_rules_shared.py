@@ -41,15 +41,11 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from opake_fx.dpsgd.clipping._rules_elementwise import BINARY_OPS
+
 Shape = tuple[int, ...]
 
-#: Elementwise ops with broadcasting (two operands; in-place forms write into the first).
-_BINARY = {
-    torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__,
-    torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__,
-    torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
-    torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__,
-}
+#: In-place forms of :data:`BINARY_OPS` (they write into the first operand).
 _INPLACE = {
     torch.Tensor.add_, torch.Tensor.__iadd__, torch.Tensor.sub_, torch.Tensor.__isub__,
     torch.Tensor.mul_, torch.Tensor.__imul__, torch.Tensor.div_, torch.Tensor.__itruediv__,
@@ -95,7 +91,7 @@ def site_of(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[S
         if len(args) != 3 or not isinstance(args[0], torch.Tensor) or not any(isinstance(a, torch.Tensor) for a in args[1:]):
             return None
         slots = [j for j, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    elif func in _BINARY or func in _INPLACE:
+    elif func in BINARY_OPS or func in _INPLACE:
         if len(args) != 2 or not all(isinstance(a, torch.Tensor) for a in args):
             return None
         if func in _INPLACE:
