@@ -161,7 +161,7 @@ def _backward_structure(root: nn.Module, loss_fn: Callable[..., Any], sub: tuple
             if k > 0 and t.requires_grad and t.is_floating_point():
                 watched.append((f"the output of module '{names.get(id(module), '?')}'", t, k))
 
-    def on_use(module: nn.Module, use: int, name: str, expanded: torch.Tensor, lookup: Any = None) -> torch.Tensor:
+    def on_use(module: nn.Module, use: int, name: str, expanded: torch.Tensor, call: Any = None) -> torch.Tensor:
         k = broadcast_rows(module, use, expanded, n)
         if k > 0 and expanded.requires_grad:
             # a new view, so that the op is recomputed from it (the broadcast's own value is not

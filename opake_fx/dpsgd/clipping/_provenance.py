@@ -341,7 +341,7 @@ def _recorder(calls: list[_Call]) -> Callable[..., None]:
 
 
 def _use_recorder(calls: list[_Call]) -> Callable[[nn.Module, int, str, torch.Tensor], torch.Tensor]:
-    def on_use(module: nn.Module, use: int, name: str, expanded: torch.Tensor, lookup: Any = None) -> torch.Tensor:
+    def on_use(module: nn.Module, use: int, name: str, expanded: torch.Tensor, call: Any = None) -> torch.Tensor:
         calls.append(_Call(module, [], [tuple(expanded.shape)], use))
         return expanded
 

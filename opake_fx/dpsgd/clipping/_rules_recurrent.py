@@ -90,21 +90,19 @@ class RecurrentRule(FallbackRule):
         """The recomputed ``(output, h_n)`` / ``(output, (h_n, c_n))`` through tapped projections,
         or None (see the module docstring); ``cache`` keeps the output checks across steps."""
         assert isinstance(module, nn.RNNBase)
-        x = first_input(args, kwargs)
-        hx = args[1] if len(args) > 1 else kwargs.get("hx")
-        if (type(module).forward not in _FORWARDS or not names or not module.batch_first
-                or getattr(module, "proj_size", 0) or (module.training and module.dropout > 0)
-                or not isinstance(x, torch.Tensor) or x.dim() != 3 or not batched.get(id(x), False)
-                or not isinstance(output, tuple) or len(args) + len(kwargs) > 2):
+        x, hx = first_input(args, kwargs), _initial_state(args, kwargs)
+        outputs = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+        if (type(module).forward not in _FORWARDS or not names or getattr(module, "proj_size", 0)
+                or (module.training and module.dropout > 0) or not isinstance(output, tuple)
+                or len(args) + len(kwargs) > 2 or not self.batched(module, args, kwargs, outputs, batched)):
             return None
         key = ("recurrent", id(module), tuple(x.shape[1:]), x.dtype, hx is None, module.training)
         if cache.get(key) is False:
             return None
         out = _unrolled(module, x, hx, tap, names)
         if key not in cache:  # once per module and call signature (host synchronisations)
-            ref = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor)]
             ours = [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-            cache[key] = len(ref) == len(ours) and all(same_output(o, r) for o, r in zip(ours, ref))
+            cache[key] = len(outputs) == len(ours) and all(same_output(o, r) for o, r in zip(ours, outputs))
             if not cache[key]:
                 return None  # the caller registers the taps only for a replaced output
         return out
@@ -129,11 +127,15 @@ class RecurrentRule(FallbackRule):
                    outputs: list[torch.Tensor], batched: dict[int, bool]) -> tuple[list[int | None], list[int]]:
         """The input and ``output`` split along their first axis, the initial state ``hx``
         (``h_0``, and ``c_0`` for an LSTM) and ``h_n``/``c_n`` along their second."""
-        x = first_input(args, kwargs)
-        hx = args[1] if len(args) > 1 else kwargs.get("hx")
+        x, hx = first_input(args, kwargs), _initial_state(args, kwargs)
         states = {id(t) for t in optree.tree_leaves(hx) if isinstance(t, torch.Tensor)} if hx is not None else set()
         ins = [0 if t is x else 1 if id(t) in states else None for t in inputs]
         return ins, [0] + [1] * (len(outputs) - 1)
+
+
+def _initial_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The call's ``hx`` (``h_0``, or ``(h_0, c_0)`` for an LSTM), or None."""
+    return args[1] if len(args) > 1 else kwargs.get("hx")
 
 
 RECURRENT = RecurrentRule()
