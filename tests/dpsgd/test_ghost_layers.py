@@ -191,6 +191,7 @@ CONV2D = [
     dict(kernel_size=2, padding="same"),
     dict(kernel_size=3, padding=1, padding_mode="reflect"),
     dict(kernel_size=3, padding=1, padding_mode="circular", bias=False),
+    dict(kernel_size=2, stride=2),  # patchify: the patches are a view of the input
 ]
 
 
@@ -218,6 +219,25 @@ def test_rules_cut_the_batch_into_chunks_exactly(backend: str, layer: str, monke
     else:
         model = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 2))
         x = torch.randn(7, 4, 6, dtype=torch.float64)
+    model.double()(x)
+    assert_matches(model, mse, x, targets(model, x), backend, monkeypatch)
+
+
+DEPTHWISE = [
+    dict(kernel_size=3, padding=1),
+    dict(kernel_size=3, padding=2, dilation=2, stride=2),
+    dict(kernel_size=(1, 3), padding=(0, 1), padding_mode="reflect", bias=False),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cfg", DEPTHWISE, ids=[str(c) for c in DEPTHWISE])
+def test_depthwise_conv2d_with_channel_multiplier(backend: str, cfg: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One group per channel, two filters each (the per-example weight gradients come from one
+    grouped convolution over the whole batch)."""
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Conv2d(4, 8, groups=4, **cfg), nn.Tanh(), nn.Flatten(), nn.LazyLinear(3))
+    x = torch.randn(5, 4, 6, 7, dtype=torch.float64)
     model.double()(x)
     assert_matches(model, mse, x, targets(model, x), backend, monkeypatch)
 

@@ -13,7 +13,10 @@ layer mixes examples, row ``i`` of ``g`` is the gradient of ``L_i`` alone, so ex
 * Hugging Face ``Conv1D`` (``y = a W + b``, ``W: [d_in, d_out]``): the Linear rule on
   ``W^T``, results transposed back.
 * Conv1d / Conv2d: unfolded input patches turn the layer into a Linear over output
-  positions, one per group (Bu et al. 2023).
+  positions, one per group (Bu et al. 2023). Where per-example weight gradients are the
+  cheaper form, they are the weight gradient of one convolution whose groups are the batch's
+  examples times the layer's groups (no unfolded copy of the input), except where the
+  patches are a mere view of the input (stride = kernel, no padding or dilation).
 
 Privacy contract: the norm that decides each example's weight is certified
 (:func:`._certified.gram_sq_norms` in float64 plus the rounding bound of the weighted
@@ -42,7 +45,9 @@ class MatmulGrad:
     ``patches(lo, hi)`` gives the inputs of examples ``lo:hi`` as ``[b, groups, T, d_in]``
     (a slice of the stored input for Linear, freshly unfolded patches for convolutions);
     ``g`` is ``[B, groups, T, d_out]``. ``method="pe"`` forms the per-example weight
-    gradients at once (memory ``B d_in d_out``) and drops ``a`` and ``g``; ``"ghost"``
+    gradients at once (memory ``B d_in d_out``; from the patches, or by
+    ``weight_per_example(dtype)`` where the layer has a cheaper way) and drops ``a`` and
+    ``g``; ``"ghost"``
     keeps ``a`` and ``g`` and takes norms from Gram matrices. Norms are computed when the
     rule is built (in the backward pass, while ``a`` and ``g`` are in cache).
     """
@@ -58,6 +63,7 @@ class MatmulGrad:
         names: dict[str, str],
         method: Method,
         dtype: torch.dtype,
+        weight_per_example: Callable[[torch.dtype], torch.Tensor] | None = None,
     ) -> None:
         self.batch, self.groups, self.t, self.d_out = g.shape
         self.d_in, self.dtype = d_in, dtype
@@ -92,7 +98,10 @@ class MatmulGrad:
             self._bias_pe = g.sum(dim=2).reshape(self.batch, *bias_shape)
         if weight_shape is None:
             return
-        if method == "pe":
+        if method == "pe" and weight_per_example is not None:
+            self._pe = weight_per_example(dtype).reshape(self.batch, *weight_shape)
+            self._sq = N.sq_norms_of(self._pe)
+        elif method == "pe":
             self._pe, self._sq = self._weight_per_example(patches, g)
         else:
             self.patches, self.g = patches, g
@@ -309,6 +318,19 @@ def conv_grad(
         cols = _im2col(a[lo:hi], kernel, stride, dilation, padding)  # [b, C*k, T]
         return cols.view(hi - lo, groups, d_in, t).transpose(2, 3)
 
+    def weight_per_example(compute: torch.dtype) -> torch.Tensor:
+        # The weight gradient of one convolution with B x groups groups over the batch laid
+        # side by side along the channels: group (i, j) sees example i's channels of group j only.
+        h, w = g.shape[2:]
+        grad = torch.ops.aten.convolution_backward(
+            N.as_dtype(g, compute).reshape(1, batch * module.out_channels, h, w),
+            N.as_dtype(a, compute).reshape(1, batch * module.in_channels, *a.shape[2:]),
+            torch.empty((), dtype=compute, device=a.device).expand(batch * module.out_channels, module.in_channels // groups,
+                                                                  *kernel),
+            None, list(stride), list(padding), list(dilation), False, [0, 0], batch * groups, [False, True, False])[1]
+        return grad.view(batch, groups, d_out, d_in)
+
+    relayout = stride == kernel and dilation == (1, 1) and not any(padding)  # patches are a view of the input
     return MatmulGrad(
         patches,
         g.reshape(batch, groups, d_out, t).transpose(2, 3),
@@ -318,6 +340,7 @@ def conv_grad(
         names=names,
         method=choose_method(mode, t, d_in, d_out),
         dtype=N.compute_dtype(dtype),
+        weight_per_example=None if relayout else weight_per_example,
     )
 
 
