@@ -226,6 +226,8 @@ def test_rules_cut_the_batch_into_chunks_exactly(backend: str, layer: str, monke
 DEPTHWISE = [
     dict(kernel_size=3, padding=1),
     dict(kernel_size=3, padding=2, dilation=2, stride=2),
+    dict(kernel_size=(3, 2), padding=(2, 1), dilation=(1, 2)),
+    dict(kernel_size=4, padding="same", dilation=(2, 1)),
     dict(kernel_size=(1, 3), padding=(0, 1), padding_mode="reflect", bias=False),
 ]
 
