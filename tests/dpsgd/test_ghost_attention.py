@@ -148,45 +148,6 @@ def test_checkpointed_attention(fallbacks: dict[str, list[int]]) -> None:
     assert fallbacks["module"][0] == 0 and fallbacks["whole"][0] == 0
 
 
-FALLBACK_CASES = {
-    "attention weights returned": ({"need_weights": True}, {}),
-    "add_bias_kv": ({}, {"add_bias_kv": True}),
-    "add_zero_attn": ({}, {"add_zero_attn": True}),
-    "separate key/value dims": ({}, {"kdim": D, "vdim": 4}),
-}
-
-
-@pytest.mark.parametrize("case", FALLBACK_CASES, ids=list(FALLBACK_CASES))
-def test_calls_outside_the_rule_take_the_module_fallback(case: str, fallbacks: dict[str, list[int]]) -> None:
-    torch.manual_seed(5)
-    call, mha = FALLBACK_CASES[case]
-
-    class Model(SelfAttention):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = torch.tanh(self.inp(x))
-            v = h[..., :4] if mha.get("vdim") == 4 else h
-            out = self.mha(h, h, v, **{"need_weights": False, **call})[0]
-            return self.head(out).squeeze(-1)
-
-    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
-    check(Model(call, **mha), x, y)
-    assert fallbacks["module"][0] == 2
-
-
-def test_cross_attention_takes_the_module_fallback(fallbacks: dict[str, list[int]]) -> None:
-    torch.manual_seed(6)
-
-    class Cross(SelfAttention):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = torch.tanh(self.inp(x))
-            out = self.mha(h, torch.sin(h), torch.cos(h), need_weights=False)[0]
-            return self.head(out).squeeze(-1)
-
-    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
-    check(Cross({}), x, y)
-    assert fallbacks["module"][0] == 2
-
-
 def deterministic_dropout_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
     """SDPA whose 'dropout' drops a fixed pattern of (head, query, key) positions: the same for
     every example and batch size, so a per-example reference sees the masks the batch saw."""
@@ -317,6 +278,77 @@ def test_cross_attention_dropout_uses_the_rule(monkeypatch: pytest.MonkeyPatch, 
     torch.manual_seed(11)
     model = CrossAttention({"key_padding_mask": memory_padding}, dropout=0.25).train()
     x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    check(model, x, y)
+    assert fallbacks["module"][0] == 0 and fallbacks["whole"][0] == 0
+
+
+class Configured(nn.Module):
+    """``nn.MultiheadAttention`` built with ``mha`` and called on ``inputs`` (which of query,
+    key and value share a tensor), ``call`` its keyword arguments (callables of ``x``); with
+    ``use_weights`` the returned attention weights enter the output too."""
+
+    def __init__(self, inputs: str, call: dict[str, Any], use_weights: bool = False, **mha: Any) -> None:
+        super().__init__()
+        self.inp, self.mem = nn.Linear(3, D), nn.Linear(3, mha.get("kdim") or D)
+        self.val = nn.Linear(3, mha.get("vdim") or D)  # (kdim = vdim: the memory feeds both)
+        self.mha = nn.MultiheadAttention(D, H, batch_first=True, **mha)
+        self.head = nn.Linear(D, 1)
+        self.inputs, self.call, self.use_weights = inputs, call, use_weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if self.inputs == "qqq":
+            q = k = v = h
+        elif self.inputs == "qmm":  # memory of S = T - 2 positions
+            q, k = h, torch.sin(self.mem(x[:, :-2].flip(1)))
+            v = k
+        elif self.inputs == "qmv":
+            q, k, v = h, torch.sin(self.mem(x[:, :-2].flip(1))), torch.cos(self.val(x[:, :-2]))
+        elif self.inputs == "qqv":
+            q, k, v = h, h, torch.cos(self.val(x))
+        else:  # "qmq"
+            q, k, v = h, torch.sin(self.mem(x)), h
+        kw = {name: (f(x) if callable(f) else f) for name, f in self.call.items()}
+        out, weights = self.mha(q, k, v, **{"need_weights": self.use_weights, **kw})
+        y = self.head(out).squeeze(-1)
+        if self.use_weights:  # [B, T, S] or [B, H, T, S]: the weights reach the loss
+            ramp = torch.linspace(-1, 1, weights.shape[-1], dtype=weights.dtype)
+            y = y + (weights * ramp).sum(-1) if weights.dim() == 3 else y + 0.3 * (weights * ramp).sum((1, 3))
+        return y
+
+
+CONFIGURED_CASES: dict[str, tuple[str, dict[str, Any], bool, dict[str, Any]]] = {
+    # name: (inputs, call, attention weights used, module settings)
+    "weights returned, unused": ("qqq", {"need_weights": True}, False, {}),
+    "weights averaged in the loss": ("qqq", {}, True, {}),
+    "per-head weights in the loss, causal": ("qqq", {"average_attn_weights": False, "attn_mask": causal_float,
+                                                     "is_causal": True}, True, {}),
+    "weights with key padding": ("qqq", {"key_padding_mask": padding}, True, {}),
+    "key is not value": ("qmv", {"key_padding_mask": memory_padding}, False, {}),
+    "query is key, value apart": ("qqv", {"attn_mask": causal_bool}, False, {}),
+    "query is value, key apart": ("qmq", {}, False, {}),
+    "kdim / vdim": ("qmv", {"key_padding_mask": memory_padding}, False, {"kdim": 5, "vdim": 4}),
+    "kdim / vdim, no bias": ("qmv", {}, True, {"kdim": 5, "vdim": 4, "bias": False}),
+    "kdim = vdim, key is value": ("qmm", {"attn_mask": memory_mask}, True, {"kdim": 5, "vdim": 5}),
+    "add_bias_kv": ("qqq", {"attn_mask": causal_float}, False, {"add_bias_kv": True}),
+    "add_bias_kv, key padding, 3-d mask": ("qqq", {"attn_mask": per_head_mask, "key_padding_mask": padding}, True,
+                                           {"add_bias_kv": True}),
+    "add_zero_attn": ("qmm", {"key_padding_mask": memory_padding}, False, {"add_zero_attn": True}),
+    "everything": ("qmv", {"key_padding_mask": memory_padding, "attn_mask": memory_mask}, True,
+                   {"kdim": 5, "vdim": 4, "add_bias_kv": True, "add_zero_attn": True}),
+}
+
+
+@pytest.mark.parametrize("case", CONFIGURED_CASES, ids=list(CONFIGURED_CASES))
+def test_every_configuration_takes_the_rule_exactly(case: str, fallbacks: dict[str, list[int]]) -> None:
+    torch.manual_seed(5)
+    inputs, call, use_weights, mha = CONFIGURED_CASES[case]
+    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    model = Configured(inputs, call, use_weights, **mha)
+    if "add_bias_kv" in mha:  # the extra biases start at zero-mean small values: make them count
+        with torch.no_grad():
+            model.mha.bias_k.normal_()
+            model.mha.bias_v.normal_()
     check(model, x, y)
     assert fallbacks["module"][0] == 0 and fallbacks["whole"][0] == 0
 

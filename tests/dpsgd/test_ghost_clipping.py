@@ -76,14 +76,19 @@ def test_custom_module_uses_the_module_fallback_only_for_its_parameters(monkeypa
 
 def test_multihead_attention_fallback_covers_out_proj(monkeypatch: pytest.MonkeyPatch) -> None:
     # nn.MultiheadAttention owns in_proj_weight and uses out_proj's parameters without calling out_proj.
-    # Returning attention weights is outside the self-attention rule, so this call takes the
-    # module fallback, which must cover out_proj too.
+    # A subclass with its own forward is outside the attention rule (it recomputes only the
+    # module's own forward), so this call takes the module fallback, which must cover out_proj too.
     torch.manual_seed(1)
+
+    class Scaled(nn.MultiheadAttention):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            out, weights = super().forward(*args, **kwargs)
+            return 0.5 * out, weights
 
     class Attn(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.mha = Scaled(8, 2, batch_first=True)
             self.head = nn.Linear(8, 1)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
