@@ -372,3 +372,42 @@ def test_transformer_decoder_uses_rules_only(fallbacks: dict[str, list[int]]) ->
     x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
     check(Seq2Seq(), x, y)
     assert fallbacks["module"][0] == 0 and fallbacks["whole"][0] == 0
+
+
+@pytest.mark.parametrize("case", ["weights in the loss, add_bias_kv", "cross, key padding", "dropout in training"])
+def test_later_steps_recompute_instead_of_running_the_module(case: str, monkeypatch: pytest.MonkeyPatch,
+                                                             fallbacks: dict[str, list[int]]) -> None:
+    # Once a call signature is checked, the rule's recomputation runs in place of the module's
+    # forward (no attention computed twice): later steps stay exact, with new inputs and
+    # batch sizes, and the module's own attention is not run again.
+    from opake_fx.dpsgd.clipping import clipped_grad
+    from opake_fx.functional import make_functional
+    from tests.dpsgd.test_ghost_layers import mse, reference
+
+    torch.manual_seed(14)
+    if case == "dropout in training":
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", deterministic_dropout_attention)
+        model = CrossAttention({"key_padding_mask": memory_padding}, dropout=0.25).train()
+    elif case == "cross, key padding":
+        model = CrossAttention({"key_padding_mask": memory_padding})
+    else:
+        model = Configured("qqq", {"key_padding_mask": padding}, True, add_bias_kv=True)
+    fmodel, params = make_functional(model.double())
+    module_runs = count_calls(monkeypatch, torch.nn.functional, "multi_head_attention_forward")
+    loss = mse(fmodel)
+    xs = [torch.randn(n, T, 3, dtype=torch.float64) for n in (B, B, B + 2)]
+    ys = [torch.randn(n, T, dtype=torch.float64) for n in (B, B, B + 2)]
+    c = float(reference(loss, params, xs[0], ys[0], float("inf"))[1].median())
+    fn, state = clipped_grad(loss, clipping_norm=c, batch_argnums=(1, 2), return_aux=True, clip_backend="auto",
+                             model=fmodel)
+    runs = []
+    for x, y in zip(xs, ys):
+        want, norms, _ = reference(loss, params, x, y, c)
+        before = module_runs[0]
+        (out, aux), state = fn(params, x, y, state=state)
+        runs.append(module_runs[0] - before)
+        torch.testing.assert_close(aux.grad_norms, norms, rtol=1e-9, atol=1e-12)
+        for got, ref in zip(out.pytree, want):
+            assert float((got - ref).abs().max()) <= 1e-9 * max(float(ref.abs().max()), 1e-12)
+    assert runs[0] > 0 and runs[1] == 0 and runs[2] == 0, runs
+    assert fallbacks["module"][0] == 0 and fallbacks["whole"][0] == 0

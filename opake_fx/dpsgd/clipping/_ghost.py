@@ -41,6 +41,8 @@ would silently use the module's own, possibly stale, parameters).
 
 from __future__ import annotations
 
+import contextlib
+
 import warnings
 from typing import Any, Callable, Literal
 
@@ -308,6 +310,7 @@ class _Capture:
         self.following: SharedTensors | None = None  # follows shared tensors (._rules_shared) when the layout has any
         self.sites: list[_Site] = []  # where shared tensors met the batch, tapped
         self.shared_calls: dict[int, tuple[nn.Module, str]] = {}  # leaf -> a shared call that used it
+        self.ahead: dict[int, tuple[Any, list[tuple[_Use, dict[str, int], nn.Module]]]] = {}  # see _RewriteAhead
 
     # -- phases --------------------------------------------------------------------------
 
@@ -316,6 +319,9 @@ class _Capture:
         for m in self.modules:
             if m._parameters or isinstance(m, _BatchNorm):
                 self.handles.append(m.register_forward_hook(self._hook, with_kwargs=True))
+                rule = _registry.lookup(m)
+                if rule.rewrites and "forward" not in m.__dict__:
+                    self.handles.append(_RewriteAhead(self, rule, m))
         if self.layout.shared_ops and self.batch:
             self.following, seeds = self.layout.following(self.modules, self.batch, self._on_site)
             self.handles += seeds
@@ -405,18 +411,19 @@ class _Capture:
         group = self._group(rule, module, args, kwargs, output)
         if group:  # [k B, ...] rows, k per example: the rule reads them as [B, k, ...]
             batched = {**batched, **{id(t): True for t in [first_input(args, kwargs), *tensor_leaves(output)]}}
-        names = {}
-        held = self._held_by_children(module)
-        broadcast = self.broadcast.pop(id(module), ())  # taken by the elementwise rule in this call
-        for n, p in module._parameters.items():
-            i = self.index.get(id(p))
-            if i is not None and id(p) not in held and n not in broadcast:  # a tied child parameter is the child call's
-                names[n] = i
+        names = self._call_names(module, self.broadcast.pop(id(module), ()))
         rule.check(module, args, kwargs, batched, self.batch, bool(names))
         if rule.rewrites:
-            replaced = self._rewrite(rule, module, args, kwargs, output, names, batched)
-            if replaced is not None:
-                return replaced  # else: the rule's own routing (the module fallback for attention)
+            ahead = self.ahead.pop(id(module), None)
+            if ahead is not None and ahead[0] is output:  # the forward ran the rule's recomputation
+                if rule.confirms(module, args, kwargs, batched):
+                    self._register_taps(ahead[1])
+                    return None
+                # else its taps stay silent and this output is routed as the module's own
+            else:
+                replaced = self._rewrite(rule, module, args, kwargs, output, names, batched)
+                if replaced is not None:
+                    return replaced  # else: the rule's own routing (the module fallback for attention)
         if not names:
             return None
         single = isinstance(output, torch.Tensor)
@@ -581,12 +588,21 @@ class _Capture:
             return {}
         return {id(t): v for t, v in zip(inputs + outputs, found[0] + found[1])}
 
-    def _rewrite(self, rule: Rule, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
-                 names: dict[str, int], batched: dict[int, bool]) -> Any:
-        """The rule's replacement output (attention from tapped projections), or None. The
-        rule wraps each sub-call's output with ``tap(entry, owner, names, a, y, block)``; the
-        taps are registered only when the rule replaces the output (otherwise none reports)."""
-        taps: list[tuple[_Use, dict[str, int], nn.Module]] = []
+    def _call_names(self, module: nn.Module, broadcast: Any) -> dict[str, int]:
+        """The differentiated parameters this call of ``module`` routes: name -> leaf (a tied
+        child parameter is the child call's; ``broadcast``: taken by the elementwise rule)."""
+        held = self._held_by_children(module)
+        names = {}
+        for n, p in module._parameters.items():
+            i = self.index.get(id(p))
+            if i is not None and id(p) not in held and n not in broadcast:
+                names[n] = i
+        return names
+
+    def _tapper(self, taps: list[tuple[_Use, dict[str, int], nn.Module]]) -> Callable[..., torch.Tensor]:
+        """The ``tap(entry, owner, names, a, y, block)`` a rewriting rule wraps each sub-call's
+        output with; the taps are collected in ``taps`` (registered by :meth:`_register_taps`,
+        otherwise none reports)."""
 
         def tap(entry: Rule, owner: nn.Module, used: dict[str, int], a: torch.Tensor, y: torch.Tensor,
                 block: tuple[int, int] | None = None) -> torch.Tensor:
@@ -597,9 +613,9 @@ class _Capture:
             taps.append((use, used, owner))
             return _Tap.apply(self.anchor, _Report(self, use) if self.recording else None, 1, a, y)
 
-        out = rule.rewrite(module, args, kwargs, output, names, batched, tap, self._params_of, self.rewrites_checked)
-        if out is None:
-            return None
+        return tap
+
+    def _register_taps(self, taps: list[tuple[_Use, dict[str, int], nn.Module]]) -> None:
         if self.recording:
             for use, used, owner in taps:
                 use.n_out = 1
@@ -607,6 +623,33 @@ class _Capture:
                 for n, i in used.items():
                     self.by_leaf[i].append((use, n))
                 self._remember_bindings(owner)
+
+    def _rewrite(self, rule: Rule, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
+                 names: dict[str, int], batched: dict[int, bool]) -> Any:
+        """The rule's replacement output (attention from tapped projections), or None. The
+        taps are registered only when the rule replaces the output."""
+        taps: list[tuple[_Use, dict[str, int], nn.Module]] = []
+        out = rule.rewrite(module, args, kwargs, output, names, batched, self._tapper(taps), self._params_of,
+                           self.rewrites_checked)
+        if out is None:
+            return None
+        self._register_taps(taps)
+        return out
+
+    def rewrite_ahead(self, rule: Rule, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The rule's recomputation of a call in place of the module's forward (so the module's
+        own computation is not run and then thrown away), where the rule has checked this call
+        signature before; None: the module runs. The forward hook registers the taps once the
+        call's layout confirms the rule (:meth:`Rule.confirms`)."""
+        if not (self.recording and torch.is_grad_enabled()):
+            return None
+        taps: list[tuple[_Use, dict[str, int], nn.Module]] = []
+        names = self._call_names(module, self.broadcast.get(id(module), ()))
+        with self.following.paused() if self.following is not None else contextlib.nullcontext():
+            out = rule.rewrite_ahead(module, args, kwargs, names, self._tapper(taps), self._params_of,
+                                     self.rewrites_checked)
+        if out is not None:
+            self.ahead[id(module)] = (out, taps)
         return out
 
     def _params_of(self, module: nn.Module) -> dict[str, int]:
@@ -635,6 +678,24 @@ class _Capture:
             elif u.module is best[0][0].module:
                 best.append((u, name))
         return best
+
+
+class _RewriteAhead:
+    """Runs a rewriting rule's recomputation in place of a module's ``forward`` while the
+    capture is open (an instance attribute over the class's method); ``remove()`` restores it."""
+
+    def __init__(self, capture: _Capture, rule: Rule, module: nn.Module) -> None:
+        self.module = module
+        original = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            out = capture.rewrite_ahead(rule, module, args, kwargs)
+            return original(*args, **kwargs) if out is None else out
+
+        module.forward = forward  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
 
 
 class _Report:

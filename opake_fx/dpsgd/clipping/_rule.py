@@ -104,6 +104,20 @@ class Rule:
         rules with :attr:`rewrites`)."""
         return None
 
+    def rewrite_ahead(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], names: dict[str, int],
+                      tap: Callable[..., torch.Tensor], params_of: Callable[[nn.Module], dict[str, int]],
+                      cache: dict[tuple[Any, ...], bool]) -> Any:
+        """The output :meth:`rewrite` would give, computed instead of the module's forward, for
+        a call whose signature :meth:`rewrite` has already checked against the module's own
+        output (``cache``); None otherwise (the module runs, then :meth:`rewrite` is asked)."""
+        return None
+
+    def confirms(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 batched: dict[int, bool]) -> bool:
+        """Whether the layout of a call run by :meth:`rewrite_ahead` lets its taps stand
+        (``batched``: the call's provenance verdicts, known only once it has run)."""
+        return False
+
     def batch_axes(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: list[torch.Tensor],
                    outputs: list[torch.Tensor], batched: dict[int, bool]) -> tuple[list[int | None], list[int]]:
         """For a deferred call: the batch axis of each tensor input (None: not split per

@@ -267,14 +267,9 @@ class AttentionRule(FallbackRule):
                 params_of: Callable[[nn.Module], dict[str, int]], cache: dict[tuple[Any, ...], bool]) -> Any:
         """``(recomputed output, attention weights or None)`` through tapped projections, or
         None (see the module docstring); ``cache`` keeps the dropout-free checks across steps."""
-        if type(module).forward is not nn.MultiheadAttention.forward:
-            return None
-        assert isinstance(module, nn.MultiheadAttention)
-        out_names = params_of(module.out_proj)
-        call = _attention_arguments(module, args, kwargs) if (names or out_names) else None
-        if call is None or not isinstance(output, tuple) or len(output) != 2:
-            return None
-        if not all(batched.get(id(call[k])) for k in ("query", "key", "value")):
+        call = self._call(module, args, kwargs, names, params_of)
+        if call is None or not isinstance(output, tuple) or len(output) != 2 or not self.confirms(
+                module, args, kwargs, batched):
             return None
         dropout = module.dropout if module.training else 0.0
         if dropout > 0 and not _matches_without_dropout(module, args, kwargs, call, cache):
@@ -282,7 +277,7 @@ class AttentionRule(FallbackRule):
         key = ("same output", *_call_signature(module, call))
         if dropout == 0 and cache.get(key) is False:
             return None
-        out = _attention_forward(module, call, dropout, tap, names, out_names)
+        out = _attention_forward(module, call, dropout, tap, names, params_of(module.out_proj))
         if out is None:
             return None
         if dropout == 0 and key not in cache:  # once per module and call signature (host synchronisations)
@@ -290,6 +285,38 @@ class AttentionRule(FallbackRule):
             if not cache[key]:
                 return None  # the caller registers the taps only for a replaced output
         return out
+
+    def rewrite_ahead(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], names: dict[str, int],
+                      tap: Callable[..., torch.Tensor], params_of: Callable[[nn.Module], dict[str, int]],
+                      cache: dict[tuple[Any, ...], bool]) -> Any:
+        """:meth:`rewrite`'s output without the module's forward, once this call signature has
+        been checked (with dropout: checked without it)."""
+        call = self._call(module, args, kwargs, names, params_of)
+        if call is None:
+            return None
+        signature = _call_signature(module, call)
+        dropout = module.dropout if module.training else 0.0
+        if cache.get(signature if dropout > 0 else ("same output", *signature)) is not True:
+            return None
+        return _attention_forward(module, call, dropout, tap, names, params_of(module.out_proj))
+
+    def confirms(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 batched: dict[int, bool]) -> bool:
+        """Query, key and value carry the batch axis first."""
+        call = _attention_arguments(module, args, kwargs)  # type: ignore[arg-type]
+        return call is not None and all(batched.get(id(call[k]), False) for k in ("query", "key", "value"))
+
+    @staticmethod
+    def _call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], names: dict[str, int],
+              params_of: Callable[[nn.Module], dict[str, int]]) -> dict[str, Any] | None:
+        """The call's arguments when the rule may recompute it: the module's own forward, with
+        differentiated parameters, in a configuration :func:`_attention_arguments` takes."""
+        if type(module).forward is not nn.MultiheadAttention.forward:
+            return None
+        assert isinstance(module, nn.MultiheadAttention)
+        if not (names or params_of(module.out_proj)):
+            return None
+        return _attention_arguments(module, args, kwargs)
 
 
 def _same_outputs(ours: tuple[torch.Tensor, Any] | None, ref: tuple[Any, ...]) -> bool:
