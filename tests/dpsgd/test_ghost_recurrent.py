@@ -121,3 +121,46 @@ def test_a_recurrent_layer_called_twice(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(_rules_fallback, "module_per_example", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
     slow = assert_exact(Twice(), torch.randn(5, T, F_IN, dtype=torch.float64), "auto", None)
     assert not slow, slow
+
+
+@pytest.mark.parametrize("kind,read", [(nn.GRU, "h_n"), (nn.LSTM, "hx")])
+def test_later_steps_unroll_instead_of_running_the_module(kind: type, read: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Once a call signature is checked, the unrolled recomputation runs in place of the
+    # module's forward (the recurrence is not computed twice): later steps, with new inputs and
+    # batch sizes, stay exact and never run the module's own kernel.
+    from opake_fx.dpsgd.clipping import clipped_grad
+
+    torch.manual_seed(2)
+    model = Net(kind, 2, True, read).double()
+    fmodel, params = make_functional(model)
+    runs = [0]
+    original = kind.forward
+
+    def counted(self: nn.Module, *a: Any, **k: Any) -> Any:
+        runs[0] += 1
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(kind, "forward", counted)
+    monkeypatch.setattr(_rules_fallback, "module_per_example", lambda *a, **k: pytest.fail("module fallback"))
+    from opake_fx.dpsgd.clipping import _rules_recurrent
+
+    monkeypatch.setattr(_rules_recurrent, "_FORWARDS", (*_rules_recurrent._FORWARDS, counted))
+    loss = mse(fmodel)
+    xs = [torch.randn(n, T, F_IN, dtype=torch.float64) for n in (4, 4, 7)]
+    with torch.no_grad():
+        ys = [torch.randn_like(model(x)) for x in xs]
+    runs[0] = 0
+    _, first_norms = reference(loss, params, xs[0], ys[0], float("inf"))
+    c = float(first_norms.median())
+    fn, state = clipped_grad(loss, clipping_norm=c, batch_argnums=(1, 2), return_aux=True, clip_backend="auto",
+                             model=fmodel)
+    per_step = []
+    for x, y in zip(xs, ys):
+        want, norms = reference(loss, params, x, y, c)
+        before = runs[0]
+        (out, aux), state = fn(params, x, y, state=state)
+        per_step.append(runs[0] - before)
+        torch.testing.assert_close(aux.grad_norms, norms, rtol=1e-9, atol=1e-12)
+        for got, ref in zip(out.pytree, want):
+            torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+    assert per_step[0] > 0 and per_step[1] == 0 and per_step[2] == 0, per_step

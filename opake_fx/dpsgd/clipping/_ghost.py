@@ -416,7 +416,7 @@ class _Capture:
         if rule.rewrites:
             ahead = self.ahead.pop(id(module), None)
             if ahead is not None and ahead[0] is output:  # the forward ran the rule's recomputation
-                if rule.confirms(module, args, kwargs, batched):
+                if rule.confirms(module, args, kwargs, output, batched):
                     self._register_taps(ahead[1])
                     return None
                 # else its taps stay silent and this output is routed as the module's own

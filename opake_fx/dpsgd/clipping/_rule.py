@@ -112,7 +112,7 @@ class Rule:
         output (``cache``); None otherwise (the module runs, then :meth:`rewrite` is asked)."""
         return None
 
-    def confirms(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+    def confirms(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
                  batched: dict[int, bool]) -> bool:
         """Whether the layout of a call run by :meth:`rewrite_ahead` lets its taps stand
         (``batched``: the call's provenance verdicts, known only once it has run)."""

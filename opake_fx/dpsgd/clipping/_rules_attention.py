@@ -269,7 +269,7 @@ class AttentionRule(FallbackRule):
         None (see the module docstring); ``cache`` keeps the dropout-free checks across steps."""
         call = self._call(module, args, kwargs, names, params_of)
         if call is None or not isinstance(output, tuple) or len(output) != 2 or not self.confirms(
-                module, args, kwargs, batched):
+                module, args, kwargs, output, batched):
             return None
         dropout = module.dropout if module.training else 0.0
         if dropout > 0 and not _matches_without_dropout(module, args, kwargs, call, cache):
@@ -300,7 +300,7 @@ class AttentionRule(FallbackRule):
             return None
         return _attention_forward(module, call, dropout, tap, names, params_of(module.out_proj))
 
-    def confirms(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+    def confirms(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
                  batched: dict[int, bool]) -> bool:
         """Query, key and value carry the batch axis first."""
         call = _attention_arguments(module, args, kwargs)  # type: ignore[arg-type]

@@ -89,23 +89,49 @@ class RecurrentRule(FallbackRule):
                 params_of: Callable[[nn.Module], dict[str, int]], cache: dict[tuple[Any, ...], bool]) -> Any:
         """The recomputed ``(output, h_n)`` / ``(output, (h_n, c_n))`` through tapped projections,
         or None (see the module docstring); ``cache`` keeps the output checks across steps."""
-        assert isinstance(module, nn.RNNBase)
-        x, hx = first_input(args, kwargs), _initial_state(args, kwargs)
+        key = self._key(module, args, kwargs, names)
         outputs = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor)]
-        if (type(module).forward not in _FORWARDS or not names or getattr(module, "proj_size", 0)
-                or (module.training and module.dropout > 0) or not isinstance(output, tuple)
-                or len(args) + len(kwargs) > 2 or not self.batched(module, args, kwargs, outputs, batched)):
+        if key is None or not isinstance(output, tuple) or not self.batched(module, args, kwargs, outputs, batched):
             return None
-        key = ("recurrent", id(module), tuple(x.shape[1:]), x.dtype, hx is None, module.training)
         if cache.get(key) is False:
             return None
-        out = _unrolled(module, x, hx, tap, names)
+        out = _unrolled(module, first_input(args, kwargs), _initial_state(args, kwargs), tap, names)  # type: ignore[arg-type]
         if key not in cache:  # once per module and call signature (host synchronisations)
             ours = [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
             cache[key] = len(outputs) == len(ours) and all(same_output(o, r) for o, r in zip(ours, outputs))
             if not cache[key]:
                 return None  # the caller registers the taps only for a replaced output
         return out
+
+    def rewrite_ahead(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], names: dict[str, int],
+                      tap: Callable[..., torch.Tensor], params_of: Callable[[nn.Module], dict[str, int]],
+                      cache: dict[tuple[Any, ...], bool]) -> Any:
+        """:meth:`rewrite`'s output without the module's forward, once this call signature has
+        been checked."""
+        key = self._key(module, args, kwargs, names)
+        if key is None or cache.get(key) is not True:
+            return None
+        return _unrolled(module, first_input(args, kwargs), _initial_state(args, kwargs), tap, names)  # type: ignore[arg-type]
+
+    def confirms(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
+                 batched: dict[int, bool]) -> bool:
+        """The input and ``output`` carry the batch axis first (:meth:`batched`)."""
+        outputs = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+        return self.batched(module, args, kwargs, outputs, batched)
+
+    @staticmethod
+    def _key(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             names: dict[str, int]) -> tuple[Any, ...] | None:
+        """The call signature the output check is kept for, when the rule may recompute the
+        call (the module's own forward on a batch-first ``[B, T, features]`` input, no
+        projections, no dropout in training, differentiated parameters); else None."""
+        assert isinstance(module, nn.RNNBase)
+        x, hx = first_input(args, kwargs), _initial_state(args, kwargs)
+        if (type(module).forward not in _FORWARDS or not names or getattr(module, "proj_size", 0)
+                or (module.training and module.dropout > 0) or len(args) + len(kwargs) > 2
+                or not module.batch_first or not isinstance(x, torch.Tensor) or x.dim() != 3):
+            return None
+        return ("recurrent", id(module), tuple(x.shape[1:]), x.dtype, hx is None, module.training)
 
     def claims(self, module: nn.Module) -> bool:
         return isinstance(module, self.types)
