@@ -321,12 +321,17 @@ def test_non_ieee_float32_matmul_takes_the_float64_path():
     zeros=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_float32_row_sq_norms_are_upper_bounds(n, scale, zeros, seed):
+@pytest.mark.parametrize("path", ["public", "float32 segments", "float64"])
+def test_float32_row_sq_norms_are_upper_bounds(path, n, scale, zeros, seed):
+    # sq_norms takes the float64 path below _FLOAT32_PATH_ELEMS elements and the float32
+    # segment sums above: both paths are checked at every size.
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(3, n, generator=gen, dtype=torch.float64) * scale).to(torch.float32)
     if zeros:
         x[1] = 0.0
-    sq = cert.sq_norms(x)
+    norms = {"public": cert.sq_norms, "float32 segments": cert._sq_norms_float32_scaled,
+             "float64": cert._sq_norms_float64}[path]
+    sq = norms(x)
     for i in range(3):
         exact = exact_row_sq(x[i])
         if math.isinf(exact):
