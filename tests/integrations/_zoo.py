@@ -456,6 +456,31 @@ def encoder_loss(fmodel: Any, p: Any, ids: torch.Tensor, mask: torch.Tensor, y: 
     return F.cross_entropy(fmodel(p, ids, mask), y, reduction="none")
 
 
+class CrossAttentionKV(nn.Module):
+    """Queries from the tokens, keys and values from two other sequences of their own widths
+    (``kdim``/``vdim``: separate projection weights, one packed bias), extra key/value biases,
+    zero attention, the memory's padding mask, and the averaged attention weights returned and
+    used by the head (issue 29's ``nn.MultiheadAttention`` in every configuration)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.keys, self.values = nn.Linear(HIDDEN, 6), nn.Linear(HIDDEN, 5)
+        self.attn = nn.MultiheadAttention(HIDDEN, HEADS, kdim=6, vdim=5, add_bias_kv=True, add_zero_attn=True,
+                                          batch_first=True)
+        self.head = nn.Linear(HIDDEN + 1, 3)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        memory = torch.tanh(h.flip(1))  # the memory: the sequence read backwards, padding first
+        padding = ~mask.bool().flip(1)
+        out, weights = self.attn(h, self.keys(memory), self.values(memory), key_padding_mask=padding,
+                                 need_weights=True)
+        m = mask.unsqueeze(-1).to(h.dtype)
+        focus = weights[..., -1:]  # the weight each query gives the zero-attention slot
+        return self.head(torch.cat([(out * m).sum(1), (focus * m).sum(1)], dim=-1) / m.sum(1))
+
+
 RNN_IN, RNN_HIDDEN = 4, 8
 
 
@@ -615,6 +640,7 @@ CASES: list[Case] = [
     Case("groupnorm_resnet", GroupNormResNet, image_batch(3, 6, 3), ce_loss,
          {"odd": 5, "B=channels": 4, "B=H=W": 6, "B=groups": 2}, FAST),
     Case("transformer_encoder", Encoder, cls_batch, encoder_loss, TEXT_SIZES, FAST),
+    Case("mha_cross_kdim_vdim", CrossAttentionKV, cls_batch, encoder_loss, TEXT_SIZES, FAST),
     # LSTM/GRU: a rule or an exact routed fallback (with a warning) are both acceptable.
     Case("lstm", lambda: Recurrent(nn.LSTM), seq_batch, mse_loss, {"odd": 5, "B=T": SEQ, "B=layers": 1},
          {"vmap": "any", "ghost": "any", "auto": "any"}),
