@@ -164,3 +164,37 @@ def test_later_steps_unroll_instead_of_running_the_module(kind: type, read: str,
         for got, ref in zip(out.pytree, want):
             torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
     assert per_step[0] > 0 and per_step[1] == 0 and per_step[2] == 0, per_step
+
+
+class Packed(nn.Module):
+    """A 2-layer bidirectional RNN on packed sequences of per-example lengths (from each
+    example's own data); ``reorder``: the batch is packed in reverse order and put back after."""
+
+    def __init__(self, kind: type, reorder: bool) -> None:
+        super().__init__()
+        self.reorder = reorder
+        self.rnn = kind(F_IN, HID, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(2 * HID, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        lengths = 1 + (x[:, 0, 0].abs() * 7).long() % x.shape[1]
+        if self.reorder:
+            x, lengths = x.flip(0), lengths.flip(0)
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=True, total_length=x.shape[1])
+        return self.head(out.flip(0) if self.reorder else out)
+
+
+@pytest.mark.parametrize("reorder", [False, True])
+@pytest.mark.parametrize("kind", [nn.GRU, nn.LSTM])
+@pytest.mark.parametrize("backend", ["ghost", "auto"])
+def test_packed_sequences_take_the_exact_whole_loss_path_and_say_so(kind: type, reorder: bool, backend: str) -> None:
+    # A PackedSequence's flat rows do not show which example each sequence belongs to (the
+    # packing may reorder the batch): the call is undecidable, so its parameters take the
+    # whole-loss path, exactly, with a warning naming it; never a rule guessing the order.
+    torch.manual_seed(3)
+    x = torch.randn(5, T, F_IN, dtype=torch.float64)
+    slow = assert_exact(Packed(kind, reorder), x, backend, None)
+    assert any("whole-loss" in w and "rnn.weight_ih_l0" in w for w in slow), slow
