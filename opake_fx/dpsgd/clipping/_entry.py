@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from opake_fx.dpsgd.clipping._engine import ClipConfig, StepResult, WeightFn, clipped_step, make_config, package
-from opake_fx.dpsgd.clipping._ghost import ClipBackend, make_backend, traced_whole_loss_pays, whole_loss_backend
-from opake_fx.dpsgd.clipping.types import check_state
+from opake_fx.dpsgd.clipping._ghost import make_backend, traced_whole_loss_pays, whole_loss_backend
+from opake_fx.dpsgd.clipping.types import ClipBackend, check_state
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.functional import FunctionalModel
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 
 import warnings
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import optree
 import torch
@@ -61,6 +61,7 @@ from opake_fx.dpsgd.clipping._rules_linear import InlineLinearRule
 from opake_fx.dpsgd.clipping._rules_fallback import FALLBACK
 from opake_fx.dpsgd.clipping._rules_shared import SharedTensors, expand_for_site
 from opake_fx.dpsgd.clipping._tied import sum_of_uses
+from opake_fx.dpsgd.clipping.types import ClipBackend
 from opake_fx.dpsgd.clipping._provenance import BatchLayout, probe, signature, tensor_leaves
 from opake_fx.dpsgd.clipping._per_example import autograd_grad, map_examples, warn_slow_path
 from opake_fx.dpsgd.clipping._engine import Backend, ClipConfig, PerExampleNorms, _diff_tree, batch_size_of, vmap_backend
@@ -68,7 +69,6 @@ from opake_fx.errors import InputTypeError, InputValueError, OperationError
 from opake_fx.functional import FunctionalModel
 from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths
 
-ClipBackend = Literal["vmap", "ghost", "auto"]
 
 
 def make_backend(clip_backend: str, model: FunctionalModel | nn.Module | None) -> Backend:

@@ -11,7 +11,7 @@ from torch import nn
 
 from opake_fx.dpsgd.clipping._engine import StepResult, check_clipping_norm
 from opake_fx.dpsgd.clipping._entry import ClipMode, ClipOptions, make_grad_fn
-from opake_fx.dpsgd.clipping._ghost import ClipBackend
+from opake_fx.dpsgd.clipping.types import ClipBackend
 from opake_fx.dpsgd.clipping.fixed import clip_weights
 from opake_fx.functional import FunctionalModel
 import opake_fx.validation as check

@@ -10,8 +10,7 @@ from torch import nn
 
 from opake_fx.dpsgd.clipping._engine import check_clipping_norm
 from opake_fx.dpsgd.clipping._entry import ClipMode, ClipOptions, count_call, make_grad_fn
-from opake_fx.dpsgd.clipping._ghost import ClipBackend
-from opake_fx.dpsgd.clipping.types import FixedClipState
+from opake_fx.dpsgd.clipping.types import ClipBackend, FixedClipState
 from opake_fx.functional import FunctionalModel
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.types import PerGroup

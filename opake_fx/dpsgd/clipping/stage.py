@@ -8,11 +8,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from opake_fx.dpsgd.clipping._ghost import ClipBackend
 from opake_fx.dpsgd.clipping.adaptive import adaptive_clipped_grad
 from opake_fx.dpsgd.clipping.auto import auto_clipped_grad
 from opake_fx.dpsgd.clipping.fixed import clipped_grad
-from opake_fx.dpsgd.clipping.types import ClippingStats
+from opake_fx.dpsgd.clipping.types import ClipBackend, ClippingStats
 from opake_fx.functional import FunctionalModel
 from opake_fx.errors import InputValueError
 from opake_fx.pipeline_privacy import StagePrivacy

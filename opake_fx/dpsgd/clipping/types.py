@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from opake_fx.errors import InputTypeError
 from opake_fx.types import PerGroup
 
-__all__ = ["FixedClipState", "ClippingStats", "ClippedGradAux", "check_state"]
+__all__ = ["ClipBackend", "FixedClipState", "ClippingStats", "ClippedGradAux", "check_state"]
+
+#: How per-example norms and the clipped sum are computed (``clip_backend=`` of every
+#: clipping function; see :func:`~opake_fx.dpsgd.clipping.clipped_grad`).
+ClipBackend = Literal["vmap", "ghost", "auto"]
 
 
 @dataclass(frozen=True)
