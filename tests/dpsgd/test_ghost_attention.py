@@ -411,3 +411,34 @@ def test_later_steps_recompute_instead_of_running_the_module(case: str, monkeypa
             assert float((got - ref).abs().max()) <= 1e-9 * max(float(ref.abs().max()), 1e-12)
     assert runs[0] > 0 and runs[1] == 0 and runs[2] == 0, runs
     assert fallbacks["module"][0] == 0 and fallbacks["whole"][0] == 0
+
+
+def test_nothing_stays_on_the_modules_after_a_step_or_a_failing_one() -> None:
+    # The recomputation replaces forward only while a step's capture is open.
+    from opake_fx.dpsgd.clipping import clipped_grad
+    from opake_fx.functional import make_functional
+    from tests.dpsgd.test_ghost_layers import mse
+
+    torch.manual_seed(15)
+    model = SelfAttention({"key_padding_mask": padding}).double()
+    fmodel, params = make_functional(model)
+    loss = mse(fmodel)
+    calls = [0]
+
+    def flaky(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] > 4:  # after the probes and two good steps
+            raise RuntimeError("loss failed")
+        return loss(p, x, y)
+
+    fn, state = clipped_grad(flaky, clipping_norm=1.0, batch_argnums=(1, 2), clip_backend="auto", model=fmodel)
+    x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    raised = False
+    for _ in range(6):
+        try:
+            _, state = fn(params, x, y, state=state)
+        except RuntimeError:
+            raised = True
+        assert "forward" not in model.mha.__dict__
+        assert not model.mha._forward_hooks and not model.mha._forward_pre_hooks
+    assert raised
