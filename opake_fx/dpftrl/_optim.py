@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OptimizeResult", "minimize", "value_and_grad"]
+__all__ = ["OptimizeResult", "minimize", "value_and_grad", "Progress", "show_progress"]
 
 Objective = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -86,7 +86,7 @@ def minimize(
     s_hist: list[torch.Tensor] = []
     y_hist: list[torch.Tensor] = []
     sy_hist: list[float] = []  # s.y of each pair, computed once (not in every two-loop pass)
-    bar = _Progress(max_iterations, desc) if progress else None
+    bar = Progress(max_iterations, desc) if progress else None
     reason = "max_iterations"
     it = 0
     try:
@@ -169,8 +169,22 @@ def _interpolate(f0: float, gd: float, f1: float, step: float) -> float:
     return min(0.5, max(0.1, t / step))
 
 
-class _Progress:
-    """A progress bar on stderr: tqdm if installed, else a one-line counter."""
+def show_progress(progress: bool | None, n: int) -> bool:
+    """Whether a strategy optimisation over ``n`` steps shows a progress bar.
+
+    ``progress`` as the user gave it wins; ``None`` (the factories' default) shows one
+    for long runs (``n >= 512``) when stderr is a terminal.
+    """
+    if progress is not None:
+        return bool(progress)
+    return n >= 512 and sys.stderr.isatty()
+
+
+class Progress:
+    """A progress bar on stderr: tqdm if installed, else a one-line counter.
+
+    ``update(loss)`` once an iteration, ``close()`` at the end.
+    """
 
     def __init__(self, total: int, desc: str) -> None:
         self._tqdm: Any = None

@@ -18,7 +18,6 @@ and stream in ``bands - 1`` buffers.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Any
@@ -47,6 +46,7 @@ __all__ = [
     "identity_strategy",
     "band_mf_strategy",
     "bsr_strategy",
+    "matrix_to_band",
 ]
 
 
@@ -261,7 +261,7 @@ def band_mf_strategy(
     if structure not in ("toeplitz", "column_normalized"):
         raise InputValueError(f"band_mf_strategy: structure must be 'toeplitz' or 'column_normalized'; got {structure!r}.")
     check.choice(reduction, "reduction", "band_mf_strategy", ("mean", "max"))
-    show = _show_progress(progress, n)
+    show = _optim.show_progress(progress, n)
     coefs = optimize_toeplitz(work, b, reduction=reduction, max_iterations=max_iterations, progress=show)
     if structure == "toeplitz":
         return ToeplitzStrategy(n, coefs.numpy(), name="band_mf")
@@ -298,7 +298,7 @@ def bsr_strategy(n_steps: Integral, bandwidth: Integral, *, workload: Workload |
         coefs = _toeplitz.series_sqrt(work.toeplitz_coefficients(), p)
         return ToeplitzStrategy(n, coefs.numpy(), name="bsr")
     root = lower_triangular_sqrt(work.materialize())
-    return BandedStrategy(n, _matrix_to_band(root, p).numpy(), name="bsr")
+    return BandedStrategy(n, matrix_to_band(root, p).numpy(), name="bsr")
 
 
 # ---------------------------------------------------------------- optimisation
@@ -480,7 +480,13 @@ def _band_to_matrix(band: torch.Tensor) -> torch.Tensor:
     return c
 
 
-def _matrix_to_band(c: torch.Tensor, b: int) -> torch.Tensor:
+def matrix_to_band(c: torch.Tensor, b: int) -> torch.Tensor:
+    """The first ``b`` diagonals of the lower-triangular ``n x n`` matrix ``c`` in band storage.
+
+    Returns a float64 ``[n, b]`` tensor with ``band[t, j] = c[t + j, t]`` (zero where
+    ``t + j >= n``): column ``t``'s entries from the diagonal down, the layout
+    :class:`BandedStrategy` takes. Entries below the ``b``-th diagonal are dropped.
+    """
     n = c.shape[0]
     band = torch.zeros(n, b, dtype=torch.float64)
     t = torch.arange(n)
@@ -496,7 +502,3 @@ def _toeplitz_or_prefix(workload: Workload) -> torch.Tensor:
     return workload.materialize()[:, 0].contiguous()
 
 
-def _show_progress(progress: bool | None, n: int) -> bool:
-    if progress is not None:
-        return bool(progress)
-    return n >= 512 and sys.stderr.isatty()

@@ -25,7 +25,7 @@ import torch
 import opake_fx.validation as check
 from opake_fx.dpftrl import _optim, _toeplitz
 from opake_fx.dpftrl.strategies._base import ToeplitzLike, check_n_steps, frozen
-from opake_fx.dpftrl.strategies.banded import _show_progress, toeplitz_loss_fn
+from opake_fx.dpftrl.strategies.banded import toeplitz_loss_fn
 from opake_fx.dpftrl.streaming import BltSolve, StreamingInverse
 from opake_fx.dpftrl.workloads import Workload, resolve_workload
 from opake_fx.errors import InputValueError
@@ -133,7 +133,7 @@ def blt_strategy(
     work = resolve_workload(workload, n, "blt_strategy")
     check.choice(reduction, "reduction", "blt_strategy", ("mean", "max"))
     check.interval(rtol, "rtol", "blt_strategy", 1.0, math.inf, hint="It is the least improvement factor that accepts one more buffer (e.g. 1.01).")
-    show = _show_progress(progress, n)
+    show = _optim.show_progress(progress, n)
     loss_c = toeplitz_loss_fn(work, reduction, b, k)
     best = BltStrategy(n, np.zeros(0), np.zeros(0))
     best_loss = float(loss_c(best.toeplitz_coefficients()))

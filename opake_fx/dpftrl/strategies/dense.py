@@ -25,7 +25,6 @@ import opake_fx.validation as check
 from opake_fx.dpftrl import _optim
 from opake_fx.dpftrl import sensitivity as _sens
 from opake_fx.dpftrl.strategies._base import Strategy, check_n_steps, frozen
-from opake_fx.dpftrl.strategies.banded import _show_progress
 from opake_fx.dpftrl.streaming import DenseSolve, StreamingInverse
 from opake_fx.dpftrl.workloads import Workload, resolve_workload
 from opake_fx.errors import InputValueError
@@ -137,7 +136,7 @@ def dense_strategy(
     if threads is not None:
         torch.set_num_threads(check.integer(threads, "threads", "dense_strategy", minimum=1))
     try:
-        return _optimize_dense(work, n, k, max_iterations, ftol, gtol, _show_progress(progress, n))
+        return _optimize_dense(work, n, k, max_iterations, ftol, gtol, _optim.show_progress(progress, n))
     finally:
         torch.set_num_threads(saved)
 
@@ -196,12 +195,11 @@ def _fixed_point(m: torch.Tensor, *, max_iterations: int, ftol: float, progress:
     is safe. One iteration is one symmetric eigendecomposition: about 20 reach 1e-5 of the
     optimum at n = 1024, where projected L-BFGS needs ~175 evaluations.
     """
-    from opake_fx.dpftrl._optim import _Progress
 
     n = m.shape[0]
     v = torch.ones(n, dtype=torch.float64)
     best_x, best = None, float("inf")
-    bar = _Progress(max_iterations, "dense MF (fixed point)") if progress else None
+    bar = _optim.Progress(max_iterations, "dense MF (fixed point)") if progress else None
     try:
         for _ in range(max_iterations):
             r = v.sqrt()

@@ -28,7 +28,7 @@ import opake_fx.validation as check
 from opake_fx.dpftrl import _optim, _toeplitz
 from opake_fx.dpftrl import sensitivity as _sens
 from opake_fx.dpftrl.strategies._base import Strategy, ToeplitzLike, check_n_steps, frozen
-from opake_fx.dpftrl.strategies.banded import _matrix_to_band, _show_progress, lower_triangular_sqrt
+from opake_fx.dpftrl.strategies.banded import lower_triangular_sqrt, matrix_to_band
 from opake_fx.dpftrl.streaming import BandedInverseApply, StreamingInverse
 from opake_fx.dpftrl.workloads import Workload, resolve_workload
 from opake_fx.errors import InputValueError
@@ -181,13 +181,13 @@ def bisr_strategy(
         root = lower_triangular_sqrt(work.materialize())
         inv_root = torch.linalg.solve_triangular(root, torch.eye(n, dtype=torch.float64), upper=False)
         rows = torch.zeros(n, p, dtype=torch.float64)
-        band = _matrix_to_band(inv_root, p)  # band[t, j] = S^-1[t + j, t]
+        band = matrix_to_band(inv_root, p)  # band[t, j] = S^-1[t + j, t]
         for j in range(p):
             rows[j:, j] = band[: n - j, j]  # rows[t, j] = S^-1[t, t - j]
         return InverseBandedStrategy(n, rows.numpy(), replay=replay, name="bisr")
     d = _toeplitz.series_inverse(_toeplitz.series_sqrt(work.toeplitz_coefficients(), p), p)
     if optimize and p > 1:
-        d = _optimize_inverse(work, d, min_sep, max_participations, max_iterations, _show_progress(progress, n))
+        d = _optimize_inverse(work, d, min_sep, max_participations, max_iterations, _optim.show_progress(progress, n))
     return InverseToeplitzStrategy(n, d.numpy(), replay=replay, name="bisr")
 
 
