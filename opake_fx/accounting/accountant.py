@@ -26,9 +26,9 @@ from opake_fx.accounting import rdp as _rdp
 from opake_fx.accounting.budgets import Budget, budget_from_dict
 from opake_fx.accounting.incremental import IncrementalPld
 
-# _compose/_repeat: compose/repeat without their signature check; step() runs once per
-# training step and checks its own argument.
-from opake_fx.accounting.process import DpProcess, _compose, _repeat, identity, process_from_dict
+# compose/repeat without their signature check: step() runs once per training step and
+# checks its own argument.
+from opake_fx.accounting.process import DpProcess, compose_unchecked, identity, process_from_dict, repeat_unchecked
 from opake_fx.errors import BudgetExceededError, InputTypeError, InputValueError, OpakeError
 
 __all__ = ["Accountant"]
@@ -149,7 +149,7 @@ class Accountant:
     def spent(self) -> DpProcess:
         """The composition of all steps taken so far."""
         if self._spent is None:
-            self._spent = _compose(*(_repeat(leaf, k) for leaf, k in self._counts.items()))
+            self._spent = compose_unchecked(*(repeat_unchecked(leaf, k) for leaf, k in self._counts.items()))
         return self._spent
 
     @property
@@ -249,7 +249,7 @@ class Accountant:
             )
 
         def fits(k: int) -> bool:
-            return self._measure_with(_repeat(process, k)) <= self._budget.value
+            return self._measure_with(repeat_unchecked(process, k)) <= self._budget.value
 
         if not fits(1):
             return 0
@@ -279,7 +279,7 @@ class Accountant:
         process, n = self._run
         self._run = None
         if self._pld is not None:
-            self._pld = self._pld.then(_repeat(process, n))
+            self._pld = self._pld.then(repeat_unchecked(process, n))
 
     def _rdp_curve(self) -> np.ndarray:
         done = 0
@@ -497,7 +497,7 @@ class Accountant:
                     f"epsilon). {fix}"
                 )
         if self._pld is not None:
-            running = self._pld if self._run is None else self._pld.then(_repeat(*self._run))
+            running = self._pld if self._run is None else self._pld.then(repeat_unchecked(*self._run))
             oneshot = self.spent._profile(self._budget.discretization)  # closed form for Gaussian compositions
             top = oneshot.epsilon_at(_CHECK_DELTA_FLOOR)
             grid = np.linspace(0.0, 1.25 * top if math.isfinite(top) else 100.0, _CHECK_POINTS).tolist()
@@ -515,7 +515,7 @@ class Accountant:
                     )
             if self._headroom is not None and self._headroom[1] > 0:
                 process, n = self._headroom
-                if self._budget.measure_profile(running.then(_repeat(process, n))) > self._budget.value * (1.0 + _RUNNING_TOLERANCE):
+                if self._budget.measure_profile(running.then(repeat_unchecked(process, n))) > self._budget.value * (1.0 + _RUNNING_TOLERANCE):
                     raise InputValueError(
                         f"{where}/headroom: {n} more steps of {process!r} do not fit in the budget; the accountant "
                         f"would take them unchecked. {fix}"

@@ -36,6 +36,8 @@ __all__ = [
     "TruncatedPoissonSampled",
     "SampledWithoutReplacement",
     "eps_delta",
+    "check_step",
+    "subsample_trivial",
 ]
 
 
@@ -221,7 +223,7 @@ class PoissonSampled(DpProcess):
     _TYPE: ClassVar[str] = "poisson"
 
     def __post_init__(self) -> None:
-        _check_step(self.inner, "poisson")
+        check_step(self.inner, "poisson")
         q = check.real(self.sample_rate, "sample_rate", "poisson")
         if not 0.0 < q < 1.0:
             raise InputValueError(f"PoissonSampled: sample_rate must be in (0, 1); got {q} (use the poisson() factory).")
@@ -423,7 +425,14 @@ def eps_delta(epsilon: Real, delta: Real = 0.0) -> DpProcess:
     return identity() if p.epsilon == 0.0 and p.delta == 0.0 else p
 
 
-def _check_step(inner: object, where: str) -> None:
+def check_step(inner: object, where: str) -> None:
+    """Refuses anything but one un-subsampled step as the inner process of a subsampling.
+
+    ``inner`` must be a single gaussian, laplace, adaptive_clipping_gaussian or eps_delta
+    step; ``where`` names the caller in the error. Raises InputTypeError for a
+    non-DpProcess and InputValueError for a composed, repeated, already subsampled,
+    identity or non-private process: subsampling those would understate epsilon.
+    """
     if not isinstance(inner, DpProcess):
         raise InputTypeError(f"{where}: inner must be a DpProcess (e.g. gaussian(1.0)); got {type(inner).__name__}.")
     if not isinstance(inner, _Step) or isinstance(inner, Identity | NonPrivate):
@@ -435,8 +444,13 @@ def _check_step(inner: object, where: str) -> None:
         )
 
 
-def _subsample_trivial(inner: DpProcess, q: float) -> DpProcess | None:
-    """Cases where subsampling needs no mechanism: q == 0, identity, non-private inner."""
+def subsample_trivial(inner: DpProcess, q: float) -> DpProcess | None:
+    """The process of subsampling ``inner`` at rate ``q`` when it needs no mechanism, else None.
+
+    ``q == 0`` or an identity ``inner`` give ``identity()``; a non-private ``inner`` gives
+    ``NonPrivate()`` (pessimistic: a sampled non-private release is still unbounded).
+    Callers build the subsampled mechanism only when this returns None.
+    """
     if q == 0.0 or isinstance(inner, Identity):
         return identity()
     if isinstance(inner, NonPrivate):

@@ -48,6 +48,8 @@ __all__ = [
     "nonprivate",
     "compose",
     "repeat",
+    "compose_unchecked",
+    "repeat_unchecked",
     "process_from_dict",
 ]
 
@@ -339,11 +341,16 @@ def repeat(process: DpProcess, count: Integral) -> DpProcess:
         >>> acc.repeat(dpsgd_acc.gaussian(2.0), 4) == dpsgd_acc.gaussian(2.0) * 4
         True
     """
-    return _repeat(process, count)
+    return repeat_unchecked(process, count)
 
 
-def _repeat(process: DpProcess, count: int) -> DpProcess:
-    """:func:`repeat` without the signature check (the Accountant's per-step path)."""
+def repeat_unchecked(process: DpProcess, count: int) -> DpProcess:
+    """:func:`repeat` without its runtime signature check, for per-step hot paths (the Accountant).
+
+    The result is the same as :func:`repeat`'s. ``process`` must still be a DpProcess
+    (InputTypeError otherwise) and ``count`` an int >= 1 (InputValueError otherwise); only
+    the annotation check of the public function is skipped.
+    """
     if not isinstance(process, DpProcess):
         raise InputTypeError(f"repeat: expected a DpProcess; got {type(process).__name__}.")
     count = check.integer(count, "count", "repeat (p * k)", 1, "Pass the number of steps as an int >= 1.")
@@ -365,11 +372,15 @@ def compose(*processes: DpProcess) -> DpProcess:
         >>> acc.compose(warmup, main) == warmup | main
         True
     """
-    return _compose(*processes)
+    return compose_unchecked(*processes)
 
 
-def _compose(*processes: DpProcess) -> DpProcess:
-    """:func:`compose` without the signature check (the Accountant's per-step path)."""
+def compose_unchecked(*processes: DpProcess) -> DpProcess:
+    """:func:`compose` without its runtime signature check, for per-step hot paths (the Accountant).
+
+    The result is the same as :func:`compose`'s; every part must still be a DpProcess
+    (InputTypeError otherwise) and the parts must share a neighbouring relation.
+    """
     items: list[tuple[DpProcess, int]] = []
     for p in processes:
         if not isinstance(p, DpProcess):

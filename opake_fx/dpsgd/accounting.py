@@ -27,8 +27,8 @@ from opake_fx.accounting.mechanisms import (
     PoissonSampled,
     SampledWithoutReplacement,
     TruncatedPoissonSampled,
-    _check_step,
-    _subsample_trivial,
+    check_step,
+    subsample_trivial,
 )
 from opake_fx.accounting.process import DpProcess
 from opake_fx.errors import InputValueError
@@ -101,10 +101,10 @@ def poisson(inner: DpProcess, sample_rate: Real) -> DpProcess:
     """
     _check_inner(inner, "poisson")
     q = check.unit_interval(sample_rate, "sample_rate", "poisson", "It is the probability that an example is in a batch.")
-    trivial = _subsample_trivial(inner, q)
+    trivial = subsample_trivial(inner, q)
     if trivial is not None:
         return trivial
-    _check_step(inner, "poisson")
+    check_step(inner, "poisson")
     return inner if q == 1.0 else PoissonSampled(inner, q)
 
 
@@ -131,7 +131,7 @@ def truncated_poisson(inner: DpProcess, sample_rate: Real, dataset_size: Integra
     """
     _check_inner(inner, "truncated_poisson")
     q = check.unit_interval(sample_rate, "sample_rate", "truncated_poisson")
-    trivial = _subsample_trivial(inner, q)
+    trivial = subsample_trivial(inner, q)
     if trivial is not None:
         return trivial
     return TruncatedPoissonSampled(inner, q, dataset_size, max_batch_size)

@@ -195,3 +195,31 @@ def test_rdp_unsupported_mechanisms_point_to_pld():
 def test_repr_is_readable():
     assert repr(STEP * 3) == "PoissonSampled(inner=Gaussian(noise_multiplier=1.0), sample_rate=0.01) * 3"
     assert "identity()" == repr(acc.identity())
+
+
+def test_unchecked_compose_and_repeat_match_the_checked_ones():
+    from opake_fx.accounting.process import compose_unchecked, repeat_unchecked
+
+    assert repeat_unchecked(STEP, 3) == acc.repeat(STEP, 3)
+    assert compose_unchecked(STEP, OTHER) == acc.compose(STEP, OTHER)
+    assert compose_unchecked() == acc.identity()
+    with pytest.raises(InputTypeError, match="expected a DpProcess"):
+        repeat_unchecked("step", 3)  # type: ignore[arg-type]
+    with pytest.raises(InputTypeError, match="expected DpProcess values"):
+        compose_unchecked(STEP, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(InputValueError):
+        repeat_unchecked(STEP, 0)
+
+
+def test_subsampling_helpers_refuse_multi_step_inners_and_shortcut_trivial_ones():
+    from opake_fx.accounting.mechanisms import check_step, subsample_trivial
+
+    check_step(dpsgd_acc.gaussian(1.0), "poisson")  # one step: accepted
+    with pytest.raises(InputValueError, match="one un-subsampled step"):
+        check_step(dpsgd_acc.gaussian(1.0) * 2, "poisson")
+    with pytest.raises(InputTypeError, match="inner must be a DpProcess"):
+        check_step(1.0, "poisson")
+    assert subsample_trivial(dpsgd_acc.gaussian(1.0), 0.0) == acc.identity()
+    assert subsample_trivial(acc.identity(), 0.5) == acc.identity()
+    assert subsample_trivial(acc.nonprivate(), 0.5) == acc.nonprivate()
+    assert subsample_trivial(dpsgd_acc.gaussian(1.0), 0.5) is None
