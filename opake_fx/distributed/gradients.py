@@ -47,7 +47,15 @@ from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import NAMESPACE
 from opake_fx.types import ClippedPytree, NoisedPytree, SecondMomentClippingOutput, SecondMomentNoiseOutput
 
-__all__ = ["sum_gradients", "sum_gradients_", "reduce_pytree", "reduce_pytree_"]
+__all__ = [
+    "sum_gradients",
+    "sum_gradients_",
+    "reduce_pytree",
+    "reduce_pytree_",
+    "reduce_copy",
+    "check_reduction",
+    "refuse_noised",
+]
 
 PyTree = Any
 
@@ -90,8 +98,8 @@ def sum_gradients(gradients: PyTree) -> PyTree:
         >>> g.max_norm, g.pytree[0].tolist()   # one process: a copy
         (0.5, [1.0, 1.0])
     """
-    _refuse_noised(gradients, "sum_gradients")
-    return _reduce_copy(gradients, "sum", where="sum_gradients")
+    refuse_noised(gradients, "sum_gradients")
+    return reduce_copy(gradients, "sum", where="sum_gradients")
 
 
 def sum_gradients_(gradients: PyTree) -> None:
@@ -116,7 +124,7 @@ def sum_gradients_(gradients: PyTree) -> None:
         >>> g.pytree[0].tolist()
         [1.0, 1.0]
     """
-    _refuse_noised(gradients, "sum_gradients_")
+    refuse_noised(gradients, "sum_gradients_")
     _execute(_plan(gradients, "sum", in_place=True, where="sum_gradients_"))
 
 
@@ -155,7 +163,7 @@ def reduce_pytree(pytree: PyTree, op: str = "sum") -> PyTree:
         >>> n.max_norm, n.noise_stddev     # one process: W = 1
         (1.0, 2.0)
     """
-    return _reduce_copy(pytree, op, where="reduce_pytree")
+    return reduce_copy(pytree, op, where="reduce_pytree")
 
 
 def reduce_pytree_(pytree: PyTree, op: str = "sum") -> None:
@@ -191,8 +199,8 @@ def reduce_pytree_(pytree: PyTree, op: str = "sum") -> None:
     _execute(_plan(pytree, op, in_place=True, where="reduce_pytree_"))
 
 
-def _reduce_copy(tree: PyTree, op: str, *, where: str, full_check: bool = True) -> PyTree:
-    """:func:`reduce_pytree` with ``where`` naming the caller in error messages.
+def reduce_copy(tree: PyTree, op: str, *, where: str, full_check: bool = True) -> PyTree:
+    """:func:`reduce_pytree` for stages and wrappers: ``where`` names the caller in error messages.
 
     ``full_check=False`` checks the ranks' agreement by one all-reduce of a digest (the
     full comparison runs only when the digests differ), for stages past their first step.
@@ -202,12 +210,17 @@ def _reduce_copy(tree: PyTree, op: str, *, where: str, full_check: bool = True) 
     return plan.result
 
 
-def _check_tree(tree: PyTree, op: str, *, where: str) -> None:
-    """Runs every local check of a reduction (op, leaves, wrapper rules) without moving data."""
+def check_reduction(tree: PyTree, op: str, *, where: str) -> None:
+    """Runs every local check of reducing ``tree`` with ``op`` (op, leaves, wrapper rules) without moving data.
+
+    Raises what :func:`reduce_pytree_` would raise for the same input, naming ``where``;
+    for callers that skip the collective on one process and must still refuse what a
+    multi-process run would refuse.
+    """
     _plan(tree, op, in_place=True, where=where)
 
 
-def _refuse_noised(tree: PyTree, where: str) -> None:
+def refuse_noised(tree: PyTree, where: str) -> None:
     """Raises InputTypeError if ``tree`` holds a NoisedPytree: noise must come after aggregation."""
     found = optree.tree_leaves(tree, is_leaf=_is_noised, namespace=NAMESPACE)
     if any(_is_noised(leaf) for leaf in found):

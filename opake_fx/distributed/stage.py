@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from opake_fx.distributed.collectives import is_distributed
-from opake_fx.distributed.gradients import _check_tree, _reduce_copy, _refuse_noised
+from opake_fx.distributed.gradients import check_reduction, reduce_copy, refuse_noised
 from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.transforms import Transform
 from opake_fx.types import EmptyState
@@ -56,11 +56,11 @@ def psum() -> Transform:
         return EmptyState()
 
     def update(x: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
-        _refuse_noised(x, "psum")
+        refuse_noised(x, "psum")
         if not is_distributed():
-            _check_tree(x, "sum", where="psum")
+            check_reduction(x, "sum", where="psum")
             return x, state
-        out = _reduce_copy(x, "sum", where="psum", full_check=calls[0] == 0)
+        out = reduce_copy(x, "sum", where="psum", full_check=calls[0] == 0)
         calls[0] += 1
         return out, state
 

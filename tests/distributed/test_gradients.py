@@ -89,6 +89,21 @@ def test_non_tensor_leaves_and_bad_ops():
         od.reduce_pytree(ClippedPytree((_clipped(),), max_norm=1.0))
 
 
+def test_stage_helpers_name_their_caller_and_match_reduce_pytree():
+    from opake_fx.distributed.gradients import check_reduction, reduce_copy, refuse_noised
+
+    out = reduce_copy(_clipped(2.0), "sum", where="my_stage", full_check=False)
+    assert isinstance(out, ClippedPytree) and out.max_norm == 0.5 and out.pytree["w"].eq(2.0).all()
+    with pytest.raises(InputValueError, match="my_stage"):
+        reduce_copy(_clipped(), "max", where="my_stage")
+    check_reduction(_clipped(), "sum", where="my_stage")  # nothing to refuse
+    with pytest.raises(InputTypeError, match="my_stage"):
+        check_reduction({"lr": 0.1}, "sum", where="my_stage")
+    refuse_noised(_clipped(), "my_stage")
+    with pytest.raises(InputTypeError, match="my_stage got a NoisedPytree"):
+        refuse_noised({"inner": _noised()}, "my_stage")
+
+
 def test_second_moment_pairs_recurse_into_both_streams():
     pair = SecondMomentClippingOutput(_clipped(1.0, 0.5), _clipped(2.0, 0.25))
     out = od.sum_gradients(pair)
