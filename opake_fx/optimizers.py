@@ -13,6 +13,12 @@ updates are plain pytrees. Nothing is modified in place: ``grads``, ``params`` a
 old state are left untouched, and the numbers match ``torch.optim.SGD``, ``Adam`` and
 ``AdamW`` step for step.
 
+Each is a composition of the primitives of :mod:`opake_fx.optim_primitives` (``sgd``:
+``add_decayed_weights``, ``trace``, ``scale_by_learning_rate``; ``adam``/``adamw``:
+``add_decayed_weights`` or ``add_decoupled_weight_decay`` around ``scale_by_adam`` or
+``scale_by_private_second_moment``), which hold all the arithmetic; the optimizers keep
+their own state types (:class:`SgdState`, :class:`AdamState`) and argument checks.
+
 ``learning_rate`` is a float or a schedule (:mod:`opake_fx.scheduling`), called with the
 number of updates already applied (0 for the first update).
 
@@ -48,38 +54,32 @@ Example:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Real
 from typing import Any
 
-import optree
-import torch
-
 import opake_fx.validation as check
 from opake_fx.errors import InputTypeError, InputValueError
-from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths, zeros_like
-from opake_fx.transforms import Transform, unwrap
-from opake_fx.pipeline_privacy import StagePrivacy
-from opake_fx.types import (
-    ClippedPytree,
-    NoisedPytree,
-    PerGroup,
-    SecondMomentClippingOutput,
-    SecondMomentNoiseOutput,
+from opake_fx.optim_primitives import (
+    BiasCorrection,
+    DecayMask,
+    ScalarOrSchedule,
+    ScaleByAdamState,
+    ScheduleState,
+    TraceState,
+    add_decayed_weights,
+    add_decoupled_weight_decay,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_private_second_moment,
+    trace,
 )
+from opake_fx.pipeline_privacy import StagePrivacy
+from opake_fx.transforms import Transform
+from opake_fx.types import EmptyState, SecondMomentNoiseOutput
 from opake_fx.typing import typechecked
 
 __all__ = ["SgdState", "AdamState", "sgd", "adam", "adamw"]
-
-# Real: int, float and numpy scalars. BiasCorrection is "auto", a noise variance or None;
-# it is hinted str rather than Literal["auto"] so that another string is reported as a
-# wrong value (InputValueError), not a wrong type.
-ScalarOrSchedule = Real | Callable[[int], float]
-BiasCorrection = Real | str | None
-# A pytree of bools shaped like the parameters, or a callable params -> such a pytree (optax's ``mask``).
-DecayMask = Any
 
 
 @dataclass(frozen=True)
@@ -134,41 +134,37 @@ def sgd(
         >>> updates[0].tolist()
         [-0.5, -0.5]
     """
-    _check_lr(learning_rate, "sgd")
+    # The learning-rate stage is built first: it checks learning_rate, under sgd's name.
+    lr_stage = scale_by_learning_rate(learning_rate, name="sgd")
     momentum = check.non_negative(momentum, "momentum", "sgd")
     weight_decay = check.non_negative(weight_decay, "weight_decay", "sgd")
     if not isinstance(nesterov, bool):
         raise InputTypeError(f"sgd needs nesterov to be a bool; got {type(nesterov).__name__}.")
     if nesterov and momentum == 0.0:
         raise InputValueError("sgd(nesterov=True) needs momentum > 0; got momentum=0.")
+    # chain(add_decayed_weights, trace, scale_by_learning_rate), its state kept as one SgdState
+    decay = add_decayed_weights(weight_decay, mask, name="sgd") if weight_decay != 0.0 else None
+    momentum_stage = trace(momentum, nesterov, name="sgd") if momentum != 0.0 else None
 
     def init(params: Any) -> SgdState:
-        if momentum == 0.0:
+        if momentum_stage is None:
             return SgdState(count=0)
         if params is None:
             raise InputValueError(
                 "sgd(momentum > 0).init needs params to shape its momentum buffers; call init(params)."
             )
-        return SgdState(count=0, momentum=zeros_like(params))
+        return SgdState(count=0, momentum=momentum_stage.init(params).trace)
 
     def update(grads: Any, state: SgdState, params: Any = None, **extra: Any) -> tuple[Any, SgdState]:
         _check_state(state, SgdState, "sgd")
-        lr = _lr_at(learning_rate, state.count, "sgd", like=grads)
-        g_leaves, spec, _ = _flatten(grads, "sgd")
-        if weight_decay != 0.0:
-            p_leaves = _param_leaves(params, spec, "sgd", "weight_decay")
-            decayed = _decay_mask(mask, params, spec, "sgd")
-            g_leaves = [g + weight_decay * p if d else g for g, p, d in zip(g_leaves, p_leaves, decayed)]
+        if decay is not None:
+            grads, _ = decay.update(grads, EmptyState(), params)
         new_buf = None
-        if momentum != 0.0:
-            b_leaves = _state_leaves(state.momentum, spec, "sgd", "momentum")
-            b_leaves = [momentum * b + g for b, g in zip(b_leaves, g_leaves)]
-            d_leaves = [g + momentum * b for g, b in zip(g_leaves, b_leaves)] if nesterov else b_leaves
-            new_buf = optree.tree_unflatten(spec, b_leaves)
-        else:
-            d_leaves = g_leaves
-        updates = optree.tree_unflatten(spec, [-lr * d for d in d_leaves])
-        return updates, SgdState(count=state.count + 1, momentum=new_buf)
+        if momentum_stage is not None:
+            grads, traced = momentum_stage.update(grads, TraceState(trace=state.momentum))
+            new_buf = traced.trace
+        updates, counted = lr_stage.update(grads, ScheduleState(count=state.count))
+        return updates, SgdState(count=counted.count, momentum=new_buf)
 
     return Transform(init, update, StagePrivacy("optimizer", f"sgd(momentum={momentum:g})"))
 
@@ -299,241 +295,60 @@ def adamw(
 def _adam(
     name: str,
     learning_rate: ScalarOrSchedule,
-    b1: float,
-    b2: float,
-    eps: float,
-    weight_decay: float,
+    b1: Real,
+    b2: Real,
+    eps: Real,
+    weight_decay: Real,
     decoupled: bool,
     dp_bias_correction: BiasCorrection,
-    gamma: float,
+    gamma: Real,
     mask: DecayMask = None,
 ) -> Transform:
-    _check_lr(learning_rate, name)
-    b1 = check.interval(b1, "b1", name, 0.0, 1.0, high_open=True)
-    b2 = check.interval(b2, "b2", name, 0.0, 1.0, high_open=True)
-    eps = check.non_negative(eps, "eps", name)
+    """adam/adamw as a composition of primitives, with the state kept as one :class:`AdamState`.
+
+    adam:  add_decayed_weights -> scale_by_adam(learning_rate=lr)  (or scale_by_private_second_moment)
+    adamw: scale_by_adam(learning_rate=lr) -> add_decoupled_weight_decay
+    The Adam stage folds the learning rate in (torch.optim.Adam's order of operations), so
+    the numbers are those of torch to rounding, and exactly those of the former monolith.
+    """
+    # scale_by_adam checks learning_rate, b1, b2, eps, the gamma and dp_bias_correction under the optimizer's name.
+    moments = scale_by_adam(
+        b1, b2, eps, dp_bias_correction=dp_bias_correction, dp_bias_correction_gamma=gamma,
+        learning_rate=learning_rate, name=name,
+    )
     weight_decay = check.non_negative(weight_decay, "weight_decay", name)
-    gamma = check.non_negative(gamma, "dp_bias_correction_gamma", name)
-    if dp_bias_correction is not None and dp_bias_correction != "auto":
-        if isinstance(dp_bias_correction, str):
-            raise InputValueError(
-                f"{name} needs dp_bias_correction to be None, 'auto' or a noise variance >= 0; "
-                f"got {dp_bias_correction!r}."
-            )
-        dp_bias_correction = check.non_negative(dp_bias_correction, "dp_bias_correction", name)
+    gamma = float(gamma)
     # The floor of a private second moment, whose noised squares can be <= 0.
-    gamma_floor = gamma if gamma > 0 else 1e-8
-    if dp_bias_correction is not None and gamma == 0.0:
-        raise InputValueError(
-            f"{name} with dp_bias_correction needs dp_bias_correction_gamma > 0 (the floor of the "
-            "corrected second moment); got 0, which can divide by zero."
-        )
+    private = scale_by_private_second_moment(b1, b2, gamma if gamma > 0 else 1e-8, learning_rate=learning_rate, name=name)
+    coupled = add_decayed_weights(weight_decay, mask, name=name) if weight_decay != 0.0 and not decoupled else None
+    uncoupled = add_decoupled_weight_decay(weight_decay, learning_rate, mask, name=name) if weight_decay != 0.0 and decoupled else None
 
     def init(params: Any) -> AdamState:
-        if params is None:
-            raise InputValueError(f"{name}.init needs params to shape its moments; call init(params).")
-        return AdamState(count=0, mu=zeros_like(params), nu=zeros_like(params))
+        s = moments.init(params)
+        return AdamState(count=s.count, mu=s.mu, nu=s.nu)
 
     def update(grads: Any, state: AdamState, params: Any = None, **extra: Any) -> tuple[Any, AdamState]:
         _check_state(state, AdamState, name)
-        lr = _lr_at(learning_rate, state.count, name, like=grads)
-        squares = None  # the private second moment's noised squared gradients, leaf by leaf
-        if isinstance(grads, SecondMomentNoiseOutput):
-            if dp_bias_correction is not None:
-                raise InputValueError(
-                    f"{name}: got a SecondMomentNoiseOutput (a private second moment) and dp_bias_correction is set; "
-                    "they are alternative fixes of the same noise floor and together would correct it twice. Drop "
-                    "dp_bias_correction, or clip without second_moment=True."
-                )
-            squares, sq_spec, _ = _flatten(grads.noisy_squared_grads, name)
-            grads = grads.noisy_grads
-        g_leaves, spec, paths = _flatten(grads, name)
-        if squares is not None and sq_spec != spec:
-            raise InputValueError(f"{name}: the squared-gradient stream's structure {sq_spec} differs from the gradient's {spec}.")
-        phis = None if dp_bias_correction is None else _noise_variances(grads, paths, dp_bias_correction, name)
-        p_leaves = None
-        decayed = [False] * len(g_leaves)
-        if weight_decay != 0.0:
-            p_leaves = _param_leaves(params, spec, name, "weight_decay")
-            decayed = _decay_mask(mask, params, spec, name)
-            if not decoupled:
-                if squares is not None:  # the squares of g + wd * p, from the two private streams
-                    squares = [
-                        s + 2.0 * weight_decay * p * g + (weight_decay * p) ** 2 if d else s
-                        for s, g, p, d in zip(squares, g_leaves, p_leaves, decayed)
-                    ]
-                g_leaves = [g + weight_decay * p if d else g for g, p, d in zip(g_leaves, p_leaves, decayed)]
-        m_leaves = _state_leaves(state.mu, spec, name, "mu")
-        v_leaves = _state_leaves(state.nu, spec, name, "nu")
-        m_leaves = [b1 * m + (1.0 - b1) * g for m, g in zip(m_leaves, g_leaves)]
-        if squares is None:
-            v_leaves = [b2 * v + (1.0 - b2) * (g * g) for v, g in zip(v_leaves, g_leaves)]
-        else:
-            v_leaves = [b2 * v + (1.0 - b2) * sq.to(v.dtype) for v, sq in zip(v_leaves, squares)]
-        t = state.count + 1
-        bc1 = 1.0 - b1**t
-        bc2 = 1.0 - b2**t
-        step_size = lr / bc1
-        out = []
-        for i, (m, v) in enumerate(zip(m_leaves, v_leaves)):
-            if squares is not None:
-                denom = torch.clamp(v / bc2, min=gamma_floor).sqrt()
-            elif phis is None:
-                # torch.optim.Adam's order of operations, so the numbers agree to rounding.
-                denom = v.sqrt() / math.sqrt(bc2) + eps
-            else:
-                denom = torch.clamp(v / bc2 - phis[i], min=gamma).sqrt()
-            u = -step_size * (m / denom)
-            if decoupled and p_leaves is not None and decayed[i]:
-                u = u - (lr * weight_decay) * p_leaves[i]
-            out.append(u)
-        new_state = AdamState(count=t, mu=optree.tree_unflatten(spec, m_leaves), nu=optree.tree_unflatten(spec, v_leaves))
-        return optree.tree_unflatten(spec, out), new_state
+        if isinstance(grads, SecondMomentNoiseOutput) and dp_bias_correction is not None:
+            raise InputValueError(
+                f"{name}: got a SecondMomentNoiseOutput (a private second moment) and dp_bias_correction is set; "
+                "they are alternative fixes of the same noise floor and together would correct it twice. Drop "
+                "dp_bias_correction, or clip without second_moment=True."
+            )
+        stage = private if isinstance(grads, SecondMomentNoiseOutput) else moments
+        if coupled is not None:
+            grads, _ = coupled.update(grads, EmptyState(), params)
+        updates, s = stage.update(grads, ScaleByAdamState(count=state.count, mu=state.mu, nu=state.nu))
+        if uncoupled is not None:
+            updates, _ = uncoupled.update(updates, ScheduleState(count=state.count), params)
+        return updates, AdamState(count=s.count, mu=s.mu, nu=s.nu)
 
     return Transform(init, update, StagePrivacy("optimizer", name))
 
 
-def _decay_mask(mask: DecayMask, params: Any, spec: Any, where: str) -> list[bool]:
-    """Per parameter leaf: whether weight decay applies (``mask=None``: every leaf)."""
-    if mask is None:
-        return [True] * spec.num_leaves
-    tree = mask(params) if callable(mask) else mask
-    leaves, mspec = optree.tree_flatten(tree, namespace=NAMESPACE)
-    if mspec != spec:
-        raise InputValueError(
-            f"{where}: the weight-decay mask's tree structure ({mspec}) differs from the parameters' ({spec}); give "
-            "one bool per parameter leaf, in the parameters' structure (or a callable params -> such a tree)."
-        )
-    for leaf in leaves:
-        if not isinstance(leaf, bool):
-            raise InputTypeError(
-                f"{where}: the weight-decay mask's leaves must be bools (True: decayed); got a {type(leaf).__name__}."
-            )
-    return list(leaves)
-
-
-def _noise_variances(grads: Any, paths: list[Any], setting: Any, where: str) -> list[float]:
-    """Per-leaf noise variance Phi for DP bias correction."""
-    from_input = None
-    if isinstance(grads, NoisedPytree) and grads.noise_stddev is not None:
-        sd = grads.noise_stddev
-        if isinstance(sd, PerGroup):
-            from_input = [sd.for_path(p) ** 2 for p in paths]
-        else:
-            from_input = [float(sd) ** 2] * len(paths)
-    if setting == "auto":
-        if from_input is None:
-            raise InputTypeError(
-                f"{where}(dp_bias_correction='auto') reads noise_stddev from a NoisedPytree (the output of the "
-                f"noise stage); got {type(grads).__name__}"
-                f"{' with noise_stddev=None' if isinstance(grads, NoisedPytree) else ''}. Pass the noised "
-                "gradient itself, or give the noise variance as a float: dp_bias_correction=(sigma * C / B) ** 2."
-            )
-        return from_input
-    if from_input is not None and any(not math.isclose(setting, v, rel_tol=1e-6, abs_tol=0.0) for v in from_input):
-        raise InputValueError(
-            f"{where}: dp_bias_correction={setting!r} disagrees with the gradient's noise variance "
-            f"noise_stddev**2 = {sorted(set(from_input))}. Use dp_bias_correction='auto' to take it from the "
-            "NoisedPytree, or check the value (it is a variance, on the scale of the normalized gradient)."
-        )
-    return [float(setting)] * len(paths)
-
-
-def _flatten(grads: Any, where: str) -> tuple[list[torch.Tensor], Any, list[Any]]:
-    if isinstance(grads, SecondMomentClippingOutput):
-        raise InputTypeError(
-            f"{where} got a SecondMomentClippingOutput that was never noised: training on it would release the "
-            "clipped gradients and their squares without noise. Add the noise stage before the optimizer."
-        )
-    if isinstance(grads, SecondMomentNoiseOutput):
-        raise InputTypeError(
-            f"{where} has no second moment to feed from a SecondMomentNoiseOutput: the squared-gradient stream "
-            "would cost budget for nothing. Use adam or adamw, or clip without second_moment=True."
-        )
-    if isinstance(grads, ClippedPytree) and not isinstance(grads, NoisedPytree):
-        raise InputTypeError(
-            f"{where} got a ClippedPytree that was never noised: training on it would release the clipped "
-            "gradients without noise, which is not private. Add the noise stage (noise(noise_multiplier=sigma, "
-            "key=key) or gaussian_noise) before the optimizer, or noise_multiplier=0 for an explicit non-private "
-            "baseline; pass `.pytree` only if you mean to leave DP altogether."
-        )
-    paths, leaves, spec = tree_flatten_with_paths(unwrap(grads))
-    for path, leaf in zip(paths, leaves):
-        if not isinstance(leaf, torch.Tensor):
-            raise InputTypeError(
-                f"{where} needs gradients that are a pytree of tensors; the leaf at path {path} is a "
-                f"{type(leaf).__name__}."
-            )
-    return leaves, spec, paths
-
-
-def _param_leaves(params: Any, spec: Any, where: str, why: str) -> list[torch.Tensor]:
-    if params is None:
-        raise InputValueError(
-            f"{where} with {why} != 0 needs the parameters: call update(grads, state, params)."
-        )
-    leaves, pspec = optree.tree_flatten(unwrap(params), namespace=NAMESPACE)
-    if pspec != spec:
-        raise InputValueError(f"{where}: params and gradients have different tree structures ({pspec} vs {spec}).")
-    return leaves
-
-
-def _state_leaves(tree: Any, spec: Any, where: str, what: str) -> list[torch.Tensor]:
-    leaves, sspec = optree.tree_flatten(tree, namespace=NAMESPACE)
-    if sspec != spec:
-        raise InputValueError(
-            f"{where}: the gradient's tree structure does not match the state's {what} ({spec} vs {sspec}); "
-            "initialise the optimizer with params shaped like the gradients."
-        )
-    return leaves
-
-
 def _check_state(state: Any, cls: type, where: str) -> None:
+    """The optimizers' own state types (the primitives' states live inside them)."""
     if not isinstance(state, cls):
         raise InputTypeError(
             f"{where}.update needs the {cls.__name__} returned by init or a previous update; got {type(state).__name__}."
         )
-
-
-def _check_lr(lr: Any, where: str) -> None:
-    if callable(lr):
-        return
-    check.non_negative(lr, "learning_rate", where)
-
-
-def _lr_at(lr: ScalarOrSchedule, count: int, where: str, like: Any = None) -> float | torch.Tensor:
-    """The learning rate at ``count``: a float, or inside a compiled step a scheduled one as a
-    0-d tensor on ``like``'s device, computed outside the graph. A schedule traced with a
-    symbolic step would specialize on each step's value (``float``, range checks, the
-    schedule's own branches) and recompile every step."""
-    if not callable(lr):
-        return float(lr)
-    if torch.compiler.is_compiling():
-        return _scheduled_lr_tensor(lr, count, where, _first_leaf(like))
-    return _scheduled_lr(lr, count, where)
-
-
-@torch.compiler.disable
-def _scheduled_lr_tensor(lr: Callable[[int], Any], count: int, where: str, like: torch.Tensor | None) -> torch.Tensor:
-    device = like.device if isinstance(like, torch.Tensor) else None
-    return torch.tensor(_scheduled_lr(lr, count, where), dtype=torch.float64, device=device)
-
-
-def _first_leaf(tree: Any) -> torch.Tensor | None:
-    found = optree.tree_leaves(unwrap(tree), namespace=NAMESPACE) if tree is not None else []
-    return found[0] if found and isinstance(found[0], torch.Tensor) else None
-
-
-def _scheduled_lr(lr: Callable[[int], Any], count: int, where: str) -> float:
-    value = lr(count)
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise InputTypeError(
-            f"{where}: the learning-rate schedule returned {type(value).__name__} at step {count}; it must return a float."
-        ) from None
-    if not math.isfinite(value) or value < 0:
-        raise InputValueError(f"{where}: the learning-rate schedule returned {value} at step {count}; it must be finite and >= 0.")
-    return value
-
-
