@@ -30,6 +30,7 @@ import scipy.optimize
 import scipy.special
 import scipy.stats
 
+from opake_fx.auditing._inputs import check_delta, check_significance
 from opake_fx.errors import InputValueError
 
 __all__ = [
@@ -60,7 +61,7 @@ def clopper_pearson_upper(successes: np.ndarray | int, trials: int, significance
         >>> float(clopper_pearson_upper(0, 100, 0.05).round(4))
         0.0295
     """
-    _significance(significance, "clopper_pearson_upper")
+    check_significance(significance, "clopper_pearson_upper")
     k = np.asarray(successes, dtype=np.float64)
     n = float(trials)
     safe = np.maximum(n - k, 1.0)
@@ -105,7 +106,7 @@ def gdp_epsilon(mu: float, delta: float) -> float:
         >>> gdp_epsilon(0.0, 1e-5)
         0.0
     """
-    _delta(delta, "gdp_epsilon")
+    check_delta(delta, "gdp_epsilon")
     if mu <= 0 or gdp_delta(mu, 0.0) <= delta:
         return 0.0
     if math.isinf(mu):
@@ -125,7 +126,7 @@ def gdp_mu(epsilon: float, delta: float) -> float:
         >>> round(gdp_mu(gdp_epsilon(1.5, 1e-5), 1e-5), 6)
         1.5
     """
-    _delta(delta, "gdp_mu")
+    check_delta(delta, "gdp_mu")
     if math.isinf(epsilon):
         return math.inf
     lo, hi = 0.0, 1.0
@@ -178,8 +179,8 @@ def epsilon_one_run(
         >>> epsilon_one_run(1000, 100, 50, significance=0.05, delta=1e-5)
         0.0
     """
-    _significance(significance, "epsilon_one_run")
-    _delta(delta, "epsilon_one_run", allow_zero=True)
+    check_significance(significance, "epsilon_one_run")
+    check_delta(delta, "epsilon_one_run", allow_zero=True)
     _counts(num_canaries, guesses, correct)
 
     def excess(eps: float) -> float:  # > 0 where (eps, delta) is rejected
@@ -225,7 +226,7 @@ def mu_one_run_fdp(num_canaries: int, guesses: int, correct: int, *, significanc
         >>> round(mu_one_run_fdp(1000, 500, 500, significance=0.05), 2)
         1.99
     """
-    _significance(significance, "mu_one_run_fdp")
+    check_significance(significance, "mu_one_run_fdp")
     _counts(num_canaries, guesses, correct)
     return _largest_root(lambda mu: fdp_one_run_rejects(_gdp_blow_up_inverse(mu), num_canaries, guesses, correct,
                                                        significance), _MU_CAP, at_least)
@@ -242,7 +243,7 @@ def epsilon_one_run_fdp(num_canaries: int, guesses: int, correct: int, *, signif
         >>> round(epsilon_one_run_fdp(1000, 1000, 1000, significance=0.05, delta=1e-5), 2)
         12.33
     """
-    _delta(delta, "epsilon_one_run_fdp")
+    check_delta(delta, "epsilon_one_run_fdp")
     return gdp_epsilon(mu_one_run_fdp(num_canaries, guesses, correct, significance=significance), delta)
 
 
@@ -292,21 +293,6 @@ def _rejected_side(excess: Callable[[float], float], x: float, lo: float) -> flo
         x = max(lo, x - step)
         step *= 2.0
     return x
-
-
-def _significance(significance: float, where: str) -> None:
-    if not (isinstance(significance, (int, float)) and 0 < significance < 1):
-        raise InputValueError(
-            f"{where}: significance must be in (0, 1) (the allowed probability that the bound is wrong, e.g. 0.05); "
-            f"got {significance!r}."
-        )
-
-
-def _delta(delta: float, where: str, allow_zero: bool = False) -> None:
-    ok = isinstance(delta, (int, float)) and (0 <= delta < 1 if allow_zero else 0 < delta < 1)
-    if not ok:
-        interval = "[0, 1)" if allow_zero else "(0, 1)"
-        raise InputValueError(f"{where}: delta must be in {interval} (e.g. 1e-5, the delta you claim); got {delta!r}.")
 
 
 def _counts(m: int, k: int, c: int) -> None:

@@ -30,6 +30,7 @@ import scipy.special
 import scipy.stats
 
 from opake_fx.auditing import bounds
+from opake_fx.auditing._inputs import check_significance, numpy_rng
 from opake_fx.auditing.canaries import CoinFlip, coin_flip  # noqa: F401  (coin_flip: the docstring example)
 from opake_fx.auditing.scores import CanaryScores, canary_scores  # noqa: F401
 from opake_fx.errors import InputTypeError, InputValueError
@@ -206,7 +207,7 @@ class OneRunEstimate:
         inside, outside = self.scores[self.included], self.scores[~self.included]
         if inside.size == 0 or outside.size == 0:
             raise InputValueError("attack_auc needs at least one included and one excluded canary.")
-        rng = _numpy_rng(key)
+        rng = numpy_rng(key)
         auc = auroc(inside, outside)
         boots = np.empty(bootstrap)
         for b in range(bootstrap):
@@ -223,7 +224,7 @@ class OneRunEstimate:
         return self._cache["order"]
 
     def _best(self, guesses: Any, significance: float, bound: Any, kind: str = "eps") -> float:
-        bounds._significance(significance, "OneRunEstimate")
+        check_significance(significance, "OneRunEstimate")
         grid = default_guess_grid(self.num_canaries) if guesses is None else tuple(tuple(g) for g in guesses)
         if not grid:
             raise InputValueError("OneRunEstimate: guesses is empty; give (k_plus, k_minus) pairs or None.")
@@ -254,12 +255,3 @@ def _implied_precision(value: float, kind: str) -> float:
         return float(scipy.special.expit(value))
     # a mu bound implies no simple precision cap; keep the raw-precision pruning off
     return 0.5
-
-
-def _numpy_rng(key: Any) -> np.random.Generator:
-    from opake_fx.random import RngKey, key as make_key
-
-    k = make_key(0) if key is None else key
-    if not isinstance(k, RngKey):
-        raise InputTypeError(f"key must be an opake_fx.random.key(...); got {type(k).__name__}.")
-    return np.random.default_rng(list(k.words))

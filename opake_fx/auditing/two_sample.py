@@ -33,7 +33,8 @@ import numpy as np
 import scipy.stats
 
 from opake_fx.auditing import bounds
-from opake_fx.auditing.single_run import _numpy_rng, auroc
+from opake_fx.auditing._inputs import check_delta, check_significance, numpy_rng
+from opake_fx.auditing.single_run import auroc
 from opake_fx.errors import InputValueError
 
 __all__ = ["CanaryScoreAuditor"]
@@ -101,8 +102,8 @@ class CanaryScoreAuditor:
                 scores); ``"split"``: choose on a random half (from ``key``), bound on the other.
             key: an :func:`opake_fx.random.key` for ``"split"`` (default ``key(0)``).
         """
-        bounds._significance(significance, "epsilon_clopper_pearson")
-        bounds._delta(delta, "epsilon_clopper_pearson", allow_zero=True)
+        check_significance(significance, "epsilon_clopper_pearson")
+        check_delta(delta, "epsilon_clopper_pearson", allow_zero=True)
         return self._with_threshold(threshold, key, significance, lambda a, s, t: a._cp(s, delta, t))
 
     def epsilon_one_run(self, significance: float = 0.05, delta: float = 1e-5, *, threshold: Any = None,
@@ -121,8 +122,8 @@ class CanaryScoreAuditor:
                 ``significance`` (a fixed, unbalanced design, for which guessing "in" is
                 right more than half the time even for a mechanism that leaks nothing).
         """
-        bounds._significance(significance, "epsilon_one_run")
-        bounds._delta(delta, "epsilon_one_run", allow_zero=True)
+        check_significance(significance, "epsilon_one_run")
+        check_delta(delta, "epsilon_one_run", allow_zero=True)
         return self._top_k(threshold, key, significance, lambda est, s, g: est.epsilon_at(delta, s, guesses=g))
 
     def epsilon_one_run_fdp(self, significance: float = 0.05, delta: float = 1e-5, *, threshold: Any = None,
@@ -132,8 +133,8 @@ class CanaryScoreAuditor:
         Guess sets as in :meth:`epsilon_one_run`. A lower bound for mechanisms with a
         Gaussian-shaped trade-off curve.
         """
-        bounds._significance(significance, "epsilon_one_run_fdp")
-        bounds._delta(delta, "epsilon_one_run_fdp")
+        check_significance(significance, "epsilon_one_run_fdp")
+        check_delta(delta, "epsilon_one_run_fdp")
         return self._top_k(threshold, key, significance, lambda est, s, g: est.epsilon_fdp_at(delta, s, guesses=g))
 
     def epsilon_from_gdp(self, significance: float = 0.05, delta: float = 1e-5) -> float:
@@ -145,13 +146,13 @@ class CanaryScoreAuditor:
         Only the "score >= t means in" direction is used: bounding the reversed
         attack needs lower bounds on the rates, not the upper ones.
         """
-        bounds._significance(significance, "epsilon_from_gdp")
-        bounds._delta(delta, "epsilon_from_gdp")
+        check_significance(significance, "epsilon_from_gdp")
+        check_delta(delta, "epsilon_from_gdp")
         return bounds.gdp_epsilon(self.mu_from_gdp(significance), delta)
 
     def mu_from_gdp(self, significance: float = 0.05) -> float:
         """The lower bound on mu behind :meth:`epsilon_from_gdp`."""
-        bounds._significance(significance, "mu_from_gdp")
+        check_significance(significance, "mu_from_gdp")
         a = significance / (2 * self.thresholds.size)
         fpr_hi = bounds.clopper_pearson_upper(self.fp, self.n_out, a)
         fnr_hi = bounds.clopper_pearson_upper(self.n_in - self.tp, self.n_in, a)
@@ -182,7 +183,7 @@ class CanaryScoreAuditor:
         """``threshold="split"``: a keyed random half of each side to choose on, the other half to bound."""
         if threshold != "split":
             raise InputValueError(f"threshold must be None, a number or 'split'; got {threshold!r}.")
-        rng = _numpy_rng(key)
+        rng = numpy_rng(key)
         in_a, in_b = _halves(self.in_scores, rng)
         out_a, out_b = _halves(self.out_scores, rng)
         return CanaryScoreAuditor(in_a, out_a), CanaryScoreAuditor(in_b, out_b)

@@ -93,6 +93,22 @@ def test_the_soundness_check_fails_a_point_estimate():
     assert exceed > _allowed(len(seeds))
 
 
+def test_gdp_fit_epsilons_are_those_of_its_two_mus():
+    fit = _one_run(1.0, 0).gdp(ALPHA)
+    assert fit.epsilon_lower(1e-5) == bounds.gdp_epsilon(fit.mu_lower, 1e-5)
+    assert fit.epsilon_estimate(1e-5) == bounds.gdp_epsilon(fit.mu_estimate, 1e-5)
+    assert fit.epsilon_estimate(1e-5) > 0
+
+
+def test_resampling_keys_must_be_keys():
+    est = _one_run(1.0, 0, m=50)
+    assert est.attack_auc(bootstrap=20, key=key(3)) == est.attack_auc(bootstrap=20, key=key(3))
+    with pytest.raises(InputTypeError, match="key must be an opake_fx.random.key"):
+        est.attack_auc(bootstrap=20, key=3)
+    with pytest.raises(InputTypeError, match="key must be an opake_fx.random.key"):
+        _two_sample(1.0, 0, n=20).epsilon_clopper_pearson(0.05, threshold="split", key=3)
+
+
 def test_attack_auroc_is_the_exact_mann_whitney_statistic():
     rng = np.random.default_rng(3)
     inside, outside = np.round(rng.normal(0.7, 1.0, 301), 1), np.round(rng.normal(0.0, 1.0, 257), 1)  # with ties
