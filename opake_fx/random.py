@@ -456,10 +456,6 @@ def _check_key_tensor(k: Any) -> torch.Tensor:
     return k
 
 
-def _rotl(x: torch.Tensor, r: int) -> torch.Tensor:
-    return ((x << r) & _MASK) | (x >> (32 - r))
-
-
 def _threefry(k0: Any, k1: Any, x0: Any, x1: Any) -> tuple[Any, Any]:
     """Threefry-2x32, 20 rounds, elementwise with broadcasting.
 
