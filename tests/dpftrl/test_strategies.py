@@ -191,6 +191,14 @@ def test_lambda_cgd():
     torch.testing.assert_close(dpftrl.lambda_cgd_strategy(0.0, 5).materialize(), torch.eye(5, dtype=torch.float64))
 
 
+def test_noise_bands_counts_the_diagonals_of_the_inverse():
+    for s in (dpftrl.bisr_strategy(16, bandwidth=6), dpftrl.lambda_cgd_strategy(0.5, n_steps=16)):
+        inverse = s.materialize_inverse()
+        nonzero = [j for j in range(16) if torch.diagonal(inverse, -j).abs().max() > 0]
+        assert s.noise_bands == len(nonzero) == max(nonzero) + 1
+    assert dpftrl.lambda_cgd_strategy(0.5, n_steps=16).noise_bands == 2
+
+
 def test_toeplitz_series_helpers():
     c = torch.tensor([2.0, 0.5, 0.25], dtype=torch.float64)
     g = _toeplitz.series_inverse(c, 200)
