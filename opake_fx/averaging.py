@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,20 +102,11 @@ def ema(decay: float, *, warmup: bool = True, start: int = 0) -> Transform:
     d0 = check.interval(decay, "decay", "ema", 0.0, 1.0, high_open=True, hint="1 would never move the average.")
     check.integer(start, "start", "ema", minimum=0, hint=_START_HINT)
 
-    def init(params: Any) -> AverageState:
-        return AverageState(_copy(params), 0)
+    def step(average: Any, params: Any, n: int) -> Any:
+        d = ema_decay_at(d0, n, warmup)
+        return tree_map(lambda a, p: a * d + p.detach() * (1.0 - d), average, params)
 
-    def update(params: Any, state: AverageState, _params: Any = None, **extra: Any) -> tuple[Any, AverageState]:
-        _check_state(state, "ema")
-        t = state.count
-        if t < start:
-            average = _copy(params)
-        else:
-            d = ema_decay_at(d0, t - start, warmup)
-            average = tree_map(lambda a, p: a * d + p.detach() * (1.0 - d), state.average, params)
-        return average, AverageState(average, t + 1)
-
-    return Transform(init, update, StagePrivacy("optimizer", f"EMA of the parameters (decay {d0:g})"))
+    return _averager("ema", start, step, f"EMA of the parameters (decay {d0:g})")
 
 
 @typechecked
@@ -138,20 +130,27 @@ def polyak(*, start: int = 0) -> Transform:
     """
     check.integer(start, "start", "polyak", minimum=0, hint=_START_HINT)
 
+    def step(average: Any, params: Any, n: int) -> Any:
+        return tree_map(lambda a, p: a + (p.detach() - a) / (n + 1), average, params)
+
+    return _averager("polyak", start, step, "Polyak average of the parameters")
+
+
+def _averager(name: str, start: int, step: Callable[[Any, Any, int], Any], description: str) -> Transform:
+    """The averaging transform both averages share: the parameters themselves (a copy) for
+    updates before ``start``, then ``step(average, params, n)`` with ``n`` the number of
+    updates averaged so far (``t - start``)."""
+
     def init(params: Any) -> AverageState:
         return AverageState(_copy(params), 0)
 
     def update(params: Any, state: AverageState, _params: Any = None, **extra: Any) -> tuple[Any, AverageState]:
-        _check_state(state, "polyak")
+        _check_state(state, name)
         t = state.count
-        if t < start:
-            average = _copy(params)
-        else:
-            n = t - start
-            average = tree_map(lambda a, p: a + (p.detach() - a) / (n + 1), state.average, params)
+        average = _copy(params) if t < start else step(state.average, params, t - start)
         return average, AverageState(average, t + 1)
 
-    return Transform(init, update, StagePrivacy("optimizer", "Polyak average of the parameters"))
+    return Transform(init, update, StagePrivacy("optimizer", description))
 
 
 def _check_state(state: Any, name: str) -> None:
