@@ -249,7 +249,7 @@ def _static_plan(args: tuple[Any, ...], cfg: ClipConfig, clipping_norm: float | 
             return found
     _check_args(args, cfg)
     if isinstance(clipping_norm, PerGroup):
-        paths, _, _ = tree_flatten_with_paths(_diff_tree(args, cfg))
+        paths, _, _ = tree_flatten_with_paths(diff_tree(args, cfg))
         group_names, leaf_group = _leaf_groups(clipping_norm, paths)
         bounds = torch.tensor([clipping_norm.values[g] for g in group_names], dtype=torch.float64)
     else:
@@ -286,7 +286,7 @@ def clipped_step(
     so their contribution is exactly zero whatever they hold.
     """
     _check_arg_count(args, cfg)
-    diff_leaves, treedef = optree.tree_flatten(_diff_tree(args, cfg), namespace=NAMESPACE)
+    diff_leaves, treedef = optree.tree_flatten(diff_tree(args, cfg), namespace=NAMESPACE)
     static = _static_plan(args, cfg, clipping_norm, diff_leaves, treedef, plans)
     group_names, leaf_group, out_dtypes = static.group_names, static.leaf_group, static.out_dtypes
     output_factor = static.output_factor
@@ -552,7 +552,8 @@ def _check_args(args: tuple[Any, ...], cfg: ClipConfig) -> None:
                 )
 
 
-def _diff_tree(args: tuple[Any, ...], cfg: ClipConfig) -> Any:
+def diff_tree(args: tuple[Any, ...], cfg: ClipConfig) -> Any:
+    """The differentiated argument(s) of a call: ``args[argnums]``, a tuple of them for several."""
     return args[cfg.argnums[0]] if cfg.single_argnum else tuple(args[a] for a in cfg.argnums)
 
 

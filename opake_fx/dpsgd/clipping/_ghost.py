@@ -64,7 +64,7 @@ from opake_fx.dpsgd.clipping._tied import sum_of_uses
 from opake_fx.dpsgd.clipping.types import ClipBackend
 from opake_fx.dpsgd.clipping._provenance import BatchLayout, probe, signature, tensor_leaves
 from opake_fx.dpsgd.clipping._per_example import autograd_grad, map_examples, warn_slow_path
-from opake_fx.dpsgd.clipping._engine import Backend, ClipConfig, PerExampleNorms, _diff_tree, batch_size_of, vmap_backend
+from opake_fx.dpsgd.clipping._engine import Backend, ClipConfig, PerExampleNorms, batch_size_of, diff_tree, vmap_backend
 from opake_fx.errors import InputTypeError, InputValueError, OperationError
 from opake_fx.functional import FunctionalModel
 from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths
@@ -121,7 +121,7 @@ class _NormBackend:
 
     def __call__(self, loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: ClipConfig) -> PerExampleNorms:
         batch = batch_size_of(args, cfg)
-        _, flat, treedef = tree_flatten_with_paths(_diff_tree(args, cfg))
+        _, flat, treedef = tree_flatten_with_paths(diff_tree(args, cfg))
         if self.mode == "auto" and batch and flat and not rules_pay_off(flat[0].device):
             return _whole_loss_norms(loss_fn, args, kwargs, cfg, treedef, [x.detach() for x in flat], batch)
         leaves = [x.detach().requires_grad_(True) for x in flat]
@@ -885,7 +885,7 @@ def traced_whole_loss_pays(args: tuple[Any, ...], cfg: ClipConfig) -> bool:
     faster one by the measurements above.
     """
     batch = batch_size_of(args, cfg)
-    flat = optree.tree_leaves(_diff_tree(args, cfg), namespace=NAMESPACE)
+    flat = optree.tree_leaves(diff_tree(args, cfg), namespace=NAMESPACE)
     if not batch or not flat or batch * sum(x.numel() for x in flat) > TRACED_WHOLE_LOSS_MAX_ELEMENTS:
         return False
     return batch <= TRACED_WHOLE_LOSS_MAX_BATCH or not rules_pay_off(flat[0].device)
@@ -896,7 +896,7 @@ def whole_loss_backend(loss_fn: Callable[..., Any], args: tuple[Any, ...], kwarg
     """The norm backend of ``"auto"`` with every parameter on the whole-loss path: no hooks,
     probe or taps, so ``torch.compile`` traces it (the compiled step's ``"auto"`` path)."""
     batch = batch_size_of(args, cfg)
-    _, flat, treedef = tree_flatten_with_paths(_diff_tree(args, cfg))
+    _, flat, treedef = tree_flatten_with_paths(diff_tree(args, cfg))
     return _whole_loss_norms(loss_fn, args, kwargs, cfg, treedef, [x.detach() for x in flat], batch)
 
 
