@@ -179,7 +179,7 @@ def test_attention_dropout_in_training_uses_the_rule(monkeypatch: pytest.MonkeyP
 
 def test_attention_dropout_check_failing_sends_the_call_to_the_fallback(monkeypatch: pytest.MonkeyPatch,
                                                                         fallbacks: dict[str, list[int]]) -> None:
-    monkeypatch.setattr(_rules_attention, "same_output", lambda ours, ref: False)
+    monkeypatch.setattr(_rules_attention, "same_outputs", lambda ours, ref: False)
     torch.manual_seed(8)
     model = SelfAttention({"attn_mask": causal_float, "is_causal": True}, dropout=0.25).eval()
     x, y = torch.randn(B, T, 3, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import optree
 import torch
 from torch import nn
 
@@ -164,9 +165,34 @@ def same_output(ours: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(torch.allclose(ours.detach(), ref, rtol=1e-4, atol=1e-5 * scale + 1e-30))
 
 
+def same_outputs(ours: Any, ref: Any) -> bool:
+    """:func:`same_output` over every tensor of two outputs (tuples, ``None`` entries): the
+    same number of tensors, each reproduced."""
+    mine = [t for t in optree.tree_leaves(ours) if isinstance(t, torch.Tensor)]
+    theirs = [t for t in optree.tree_leaves(ref) if isinstance(t, torch.Tensor)]
+    return ours is not None and len(mine) == len(theirs) and all(same_output(o, r) for o, r in zip(mine, theirs))
+
+
+def checked_once(cache: dict[tuple[Any, ...], bool], key: tuple[Any, ...], compute: Callable[[], Any],
+                 reproduces: Callable[[Any], bool]) -> Any:
+    """A rewriting rule's output ``compute()``, trusted for the call signature ``key`` only
+    once ``reproduces(output)`` held on its first call (one host read, kept in ``cache``
+    across steps); None for a signature whose check failed (the module's own output stays)."""
+    if cache.get(key) is False:
+        return None
+    out = compute()
+    if out is None:
+        return None
+    if key not in cache:
+        cache[key] = reproduces(out)
+        if not cache[key]:
+            return None  # the caller registers the taps only for a replaced output
+    return out
+
+
 def roles(names: dict[str, int]) -> dict[str, str]:
     """``{name: name}``: a module's own parameter names are their roles ("weight", "bias")."""
     return {n: n for n in names}
 
 
-__all__ = ["BuildContext", "Rule", "first_input", "refuse_sequence_first", "roles", "same_output"]
+__all__ = ["BuildContext", "Rule", "checked_once", "first_input", "refuse_sequence_first", "roles", "same_output", "same_outputs"]

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opake_fx.dpsgd.clipping import _numerics as N
-from opake_fx.dpsgd.clipping._rule import BuildContext, Rule, refuse_sequence_first, same_output
+from opake_fx.dpsgd.clipping._rule import BuildContext, Rule, checked_once, refuse_sequence_first, same_outputs
 from opake_fx.dpsgd.clipping._rules_fallback import FallbackRule
 from opake_fx.dpsgd.clipping._rules_linear import LINEAR, LinearRule, MatmulGrad, Rearranged, projection_grad
 
@@ -274,17 +274,11 @@ class AttentionRule(FallbackRule):
         dropout = module.dropout if module.training else 0.0
         if dropout > 0 and not _matches_without_dropout(module, args, kwargs, call, cache):
             return None
-        key = ("same output", *_call_signature(module, call))
-        if dropout == 0 and cache.get(key) is False:
-            return None
-        out = _attention_forward(module, call, dropout, tap, names, params_of(module.out_proj))
-        if out is None:
-            return None
-        if dropout == 0 and key not in cache:  # once per module and call signature (host synchronisations)
-            cache[key] = _same_outputs(out, output)
-            if not cache[key]:
-                return None  # the caller registers the taps only for a replaced output
-        return out
+        compute = lambda: _attention_forward(module, call, dropout, tap, names, params_of(module.out_proj))  # noqa: E731
+        if dropout > 0:  # checked above without dropout
+            return compute()
+        return checked_once(cache, ("same output", *_call_signature(module, call)), compute,
+                            lambda out: same_outputs(out, output))
 
     def rewrite_ahead(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], names: dict[str, int],
                       tap: Callable[..., torch.Tensor], params_of: Callable[[nn.Module], dict[str, int]],
@@ -319,13 +313,6 @@ class AttentionRule(FallbackRule):
         return _attention_arguments(module, args, kwargs)
 
 
-def _same_outputs(ours: tuple[torch.Tensor, Any] | None, ref: tuple[Any, ...]) -> bool:
-    """Whether the recomputed ``(output, weights)`` reproduce the module's."""
-    if ours is None or (ours[1] is None) != (ref[1] is None):
-        return False
-    return same_output(ours[0], ref[0]) and (ours[1] is None or same_output(ours[1], ref[1]))
-
-
 def _matches_without_dropout(module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any],
                              call: dict[str, Any], cache: dict[tuple[Any, ...], bool]) -> bool:
     signature = _call_signature(module, call)
@@ -338,7 +325,7 @@ def _matches_without_dropout(module: nn.MultiheadAttention, args: tuple[Any, ...
                 ours = _attention_forward(module, call, 0.0, lambda rule, owner, used, a, y, block=None: y, {}, {})
         finally:
             module.dropout = rate
-        cache[signature] = _same_outputs(ours, ref)
+        cache[signature] = same_outputs(ours, ref)
     return cache[signature]
 
 

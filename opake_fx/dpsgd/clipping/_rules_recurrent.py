@@ -37,7 +37,7 @@ import optree
 import torch
 from torch import nn
 
-from opake_fx.dpsgd.clipping._rule import BuildContext, first_input, refuse_sequence_first, same_output
+from opake_fx.dpsgd.clipping._rule import BuildContext, checked_once, first_input, refuse_sequence_first, same_outputs
 from opake_fx.dpsgd.clipping._rules_fallback import FallbackRule
 from opake_fx.dpsgd.clipping._rules_linear import InlineLinearRule, MatmulGrad, projection_grad
 
@@ -90,18 +90,11 @@ class RecurrentRule(FallbackRule):
         """The recomputed ``(output, h_n)`` / ``(output, (h_n, c_n))`` through tapped projections,
         or None (see the module docstring); ``cache`` keeps the output checks across steps."""
         key = self._key(module, args, kwargs, names)
-        outputs = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor)]
-        if key is None or not isinstance(output, tuple) or not self.batched(module, args, kwargs, outputs, batched):
+        if key is None or not isinstance(output, tuple) or not self.confirms(module, args, kwargs, output, batched):
             return None
-        if cache.get(key) is False:
-            return None
-        out = _unrolled(module, first_input(args, kwargs), _initial_state(args, kwargs), tap, names)  # type: ignore[arg-type]
-        if key not in cache:  # once per module and call signature (host synchronisations)
-            ours = [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-            cache[key] = len(outputs) == len(ours) and all(same_output(o, r) for o, r in zip(ours, outputs))
-            if not cache[key]:
-                return None  # the caller registers the taps only for a replaced output
-        return out
+        return checked_once(cache, key, lambda: _unrolled(module, first_input(args, kwargs), _initial_state(args, kwargs),
+                                                          tap, names),  # type: ignore[arg-type]
+                            lambda out: same_outputs(out, output))
 
     def rewrite_ahead(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], names: dict[str, int],
                       tap: Callable[..., torch.Tensor], params_of: Callable[[nn.Module], dict[str, int]],
