@@ -311,11 +311,7 @@ def scale_by_adam(
         lr = None if learning_rate is None else _lr_at(learning_rate, state.count, name, like=grads)
         g_leaves, spec, paths = _flatten(grads, name)
         phis = None if dp_bias_correction is None else _noise_variances(grads, paths, dp_bias_correction, name)
-        m_leaves = _state_leaves(state.mu, spec, name, "mu")
-        v_leaves = _state_leaves(state.nu, spec, name, "nu")
-        m_leaves = [b1 * m + (1.0 - b1) * g for m, g in zip(m_leaves, g_leaves)]
-        v_leaves = [b2 * v + (1.0 - b2) * (g * g) for v, g in zip(v_leaves, g_leaves)]
-        t = state.count + 1
+        m_leaves, v_leaves, t = _moments(state, spec, g_leaves, lambda i, v: g_leaves[i] * g_leaves[i], b1, b2, name)
         bc2 = 1.0 - b2**t
         denoms = []
         for i, v in enumerate(v_leaves):
@@ -324,9 +320,7 @@ def scale_by_adam(
                 denoms.append(v.sqrt() / math.sqrt(bc2) + eps)
             else:
                 denoms.append(torch.clamp(v / bc2 - phis[i], min=gamma).sqrt())
-        out = _adam_step(m_leaves, denoms, 1.0 - b1**t, lr)
-        new_state = ScaleByAdamState(count=t, mu=optree.tree_unflatten(spec, m_leaves), nu=optree.tree_unflatten(spec, v_leaves))
-        return optree.tree_unflatten(spec, out), new_state
+        return _adam_step(spec, m_leaves, v_leaves, t, denoms, 1.0 - b1**t, lr)
 
     described = f"scale_by_adam(b1={b1:g}, b2={b2:g}{', dp_bias_correction' if dp_bias_correction is not None else ''})"
     return Transform(_adam_init(name), update, StagePrivacy("optimizer", described))
@@ -398,16 +392,10 @@ def scale_by_private_second_moment(
         lr = None if learning_rate is None else _lr_at(learning_rate, state.count, name, like=pair.noisy_grads)
         g_leaves, spec, _ = _flatten(pair.noisy_grads, name)
         squares = _squared_leaves(pair, spec, name)
-        m_leaves = _state_leaves(state.mu, spec, name, "mu")
-        v_leaves = _state_leaves(state.nu, spec, name, "nu")
-        m_leaves = [b1 * m + (1.0 - b1) * g for m, g in zip(m_leaves, g_leaves)]
-        v_leaves = [b2 * v + (1.0 - b2) * sq.to(v.dtype) for v, sq in zip(v_leaves, squares)]
-        t = state.count + 1
+        m_leaves, v_leaves, t = _moments(state, spec, g_leaves, lambda i, v: squares[i].to(v.dtype), b1, b2, name)
         bc2 = 1.0 - b2**t
         denoms = [torch.clamp(v / bc2, min=gamma).sqrt() for v in v_leaves]
-        out = _adam_step(m_leaves, denoms, 1.0 - b1**t, lr)
-        new_state = ScaleByAdamState(count=t, mu=optree.tree_unflatten(spec, m_leaves), nu=optree.tree_unflatten(spec, v_leaves))
-        return optree.tree_unflatten(spec, out), new_state
+        return _adam_step(spec, m_leaves, v_leaves, t, denoms, 1.0 - b1**t, lr)
 
     described = f"scale_by_private_second_moment(b1={b1:g}, b2={b2:g})"
     return Transform(_adam_init(name), update, StagePrivacy("optimizer", described))
@@ -513,12 +501,29 @@ def _adam_init(name: str) -> Callable[[Any], ScaleByAdamState]:
     return init
 
 
-def _adam_step(m_leaves: list[torch.Tensor], denoms: list[torch.Tensor], bc1: float, lr: Any) -> list[torch.Tensor]:
-    """``m_hat / denom`` (``lr`` None), or torch.optim.Adam's update ``-(lr / bc1) * (m / denom)``."""
+def _moments(state: ScaleByAdamState, spec: Any, g_leaves: list[torch.Tensor],
+             square: Callable[[int, torch.Tensor], torch.Tensor], b1: float, b2: float,
+             name: str) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """Adam's moments after one more gradient, ``(m, v, t)``: ``m`` from the gradient leaves,
+    ``v`` from ``square(i, v_i)`` (the gradient's square, or a noised squared stream)."""
+    m_leaves = _state_leaves(state.mu, spec, name, "mu")
+    v_leaves = _state_leaves(state.nu, spec, name, "nu")
+    m_leaves = [b1 * m + (1.0 - b1) * g for m, g in zip(m_leaves, g_leaves)]
+    v_leaves = [b2 * v + (1.0 - b2) * square(i, v) for i, v in enumerate(v_leaves)]
+    return m_leaves, v_leaves, state.count + 1
+
+
+def _adam_step(spec: Any, m_leaves: list[torch.Tensor], v_leaves: list[torch.Tensor], t: int,
+               denoms: list[torch.Tensor], bc1: float, lr: Any) -> tuple[Any, ScaleByAdamState]:
+    """The direction ``m_hat / denom`` (``lr`` None), or torch.optim.Adam's update
+    ``-(lr / bc1) * (m / denom)``, and the new state."""
     if lr is None:
-        return [(m / bc1) / d for m, d in zip(m_leaves, denoms)]
-    step_size = lr / bc1
-    return [-step_size * (m / d) for m, d in zip(m_leaves, denoms)]
+        out = [(m / bc1) / d for m, d in zip(m_leaves, denoms)]
+    else:
+        step_size = lr / bc1
+        out = [-step_size * (m / d) for m, d in zip(m_leaves, denoms)]
+    new_state = ScaleByAdamState(count=t, mu=optree.tree_unflatten(spec, m_leaves), nu=optree.tree_unflatten(spec, v_leaves))
+    return optree.tree_unflatten(spec, out), new_state
 
 
 def _rewrap(like: Any, tree: Any) -> Any:
