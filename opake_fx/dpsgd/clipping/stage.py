@@ -39,6 +39,16 @@ class ClipStageState:
     stats: ClippingStats | None = None
 
 
+#: The keywords every clip stage passes through to its clipping function unchanged.
+_STAGE_OPTIONS = ("normalize_by", "batch_argnums", "microbatch_size", "clip_backend", "model", "return_stats", "pre_clip",
+                  "second_moment")
+
+
+def _shared(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The pass-through keywords among a stage's arguments (its ``locals()``)."""
+    return {name: arguments[name] for name in _STAGE_OPTIONS}
+
+
 def clip(
     loss_fn: Callable[..., Any],
     *,
@@ -86,19 +96,8 @@ def clip(
         >>> type(out).__name__, out.max_norm
         ('NoisedPytree', 1.0)
     """
-    grad_fn, state = clipped_grad(
-        loss_fn,
-        argnums=0,
-        clipping_norm=clipping_norm,
-        normalize_by=normalize_by,
-        batch_argnums=batch_argnums,
-        microbatch_size=microbatch_size,
-        clip_backend=clip_backend,
-        model=model,
-        return_stats=return_stats,
-        pre_clip=pre_clip,
-        second_moment=second_moment,
-    )  # validates clipping_norm and normalize_by
+    # (clipped_grad validates clipping_norm and normalize_by)
+    grad_fn, state = clipped_grad(loss_fn, argnums=0, clipping_norm=clipping_norm, **_shared(locals()))
     described = StagePrivacy(
         "clip", f"clip to {clipping_norm}, divided by {normalize_by:g}", max_norm=clipping_norm / normalize_by,
         paired=second_moment,
@@ -136,20 +135,7 @@ def auto_clip(
         >>> out.max_norm
         0.5
     """
-    grad_fn, state = auto_clipped_grad(
-        loss_fn,
-        argnums=0,
-        clipping_norm=clipping_norm,
-        gamma=gamma,
-        normalize_by=normalize_by,
-        batch_argnums=batch_argnums,
-        microbatch_size=microbatch_size,
-        clip_backend=clip_backend,
-        model=model,
-        return_stats=return_stats,
-        pre_clip=pre_clip,
-        second_moment=second_moment,
-    )
+    grad_fn, state = auto_clipped_grad(loss_fn, argnums=0, clipping_norm=clipping_norm, gamma=gamma, **_shared(locals()))
     described = StagePrivacy(
         "clip",
         f"AUTO-S to {clipping_norm} (gamma={gamma:g}), divided by {normalize_by:g}",
@@ -200,22 +186,9 @@ def adaptive_clip(
         (1.0, True)
     """
     grad_fn, state = adaptive_clipped_grad(
-        loss_fn,
-        argnums=0,
-        initial_clipping_norm=initial_clipping_norm,
-        count_noise_multiplier=count_noise_multiplier,
-        key=key,
-        target_quantile=target_quantile,
-        learning_rate=learning_rate,
-        normalize_by=normalize_by,
-        expected_batch_size=expected_batch_size,
-        batch_argnums=batch_argnums,
-        microbatch_size=microbatch_size,
-        clip_backend=clip_backend,
-        model=model,
-        return_stats=return_stats,
-        pre_clip=pre_clip,
-        second_moment=second_moment,
+        loss_fn, argnums=0, initial_clipping_norm=initial_clipping_norm, count_noise_multiplier=count_noise_multiplier,
+        key=key, target_quantile=target_quantile, learning_rate=learning_rate, expected_batch_size=expected_batch_size,
+        **_shared(locals()),
     )
     described = StagePrivacy(
         "clip",
