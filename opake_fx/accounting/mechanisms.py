@@ -24,7 +24,15 @@ from opake_fx._typecheck import typechecked
 from opake_fx.accounting import _curves
 import opake_fx.validation as check
 from opake_fx.accounting import rdp as _rdp
-from opake_fx.accounting.process import ADD_OR_REMOVE_ONE, REPLACE_ONE, DpProcess, Identity, NonPrivate, identity
+from opake_fx.accounting.process import (
+    ADD_OR_REMOVE_ONE,
+    REPLACE_ONE,
+    DpProcess,
+    Identity,
+    NonPrivate,
+    identity,
+    process_from_dict,
+)
 from opake_fx.errors import InputTypeError, InputValueError
 
 __all__ = [
@@ -250,8 +258,6 @@ class PoissonSampled(DpProcess):
 
     @classmethod
     def _from_fields(cls, data: dict[str, Any]) -> DpProcess:
-        from opake_fx.accounting.process import process_from_dict
-
         return cls(process_from_dict(data["inner"]), data["sample_rate"])
 
 
@@ -337,8 +343,6 @@ class TruncatedPoissonSampled(DpProcess):
 
     @classmethod
     def _from_fields(cls, data: dict[str, Any]) -> DpProcess:
-        from opake_fx.accounting.process import process_from_dict
-
         return cls(process_from_dict(data["inner"]), data["sample_rate"], data["dataset_size"], data["max_batch_size"])
 
 
@@ -398,8 +402,6 @@ class SampledWithoutReplacement(DpProcess):
 
     @classmethod
     def _from_fields(cls, data: dict[str, Any]) -> DpProcess:
-        from opake_fx.accounting.process import process_from_dict
-
         return cls(process_from_dict(data["inner"]), data["dataset_size"], data["batch_size"])
 
 

@@ -402,8 +402,8 @@ def process_from_dict(data: dict[str, Any]) -> DpProcess:
     """
     if not isinstance(data, dict) or "type" not in data:
         raise InputTypeError(f"process_from_dict: expected a dict with a 'type' key; got {data!r}.")
-    import opake_fx.accounting.mechanisms  # noqa: F401  (registers the mechanism types)
-
+    # The mechanism types register themselves when opake_fx.accounting.mechanisms is imported,
+    # which the package's __init__ does before any of its modules can be used.
     cls = _REGISTRY.get(data["type"])
     if cls is None:
         raise InputValueError(
