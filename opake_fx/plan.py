@@ -39,7 +39,7 @@ from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.random import RngKey, fold_in
 from opake_fx.types import PerGroup
 
-__all__ = ["DPPlan", "Participation", "RecordedLossState", "SAMPLERS", "MECHANISMS", "COMPATIBLE", "CLIPPING_MODES", "CLIPPING_KWARGS",
+__all__ = ["DPPlan", "KeyRoles", "Participation", "RecordedLossState", "SAMPLERS", "MECHANISMS", "COMPATIBLE", "CLIPPING_MODES", "CLIPPING_KWARGS",
            "check_clipping_kwargs", "per_group_by_regex", "regex_norms"]
 
 SAMPLERS = ("poisson", "truncated_poisson", "cyclic_poisson", "b_min_sep", "balls_in_bins")
@@ -109,6 +109,60 @@ class Participation:
     min_sep: int
     max_participations: int
     amplified: bool
+
+
+class KeyRoles:
+    """The ledger of which role each of a plan's keys plays (sampler, noise, adaptive count,
+    augmentation): one key, one role.
+
+    Every plan holds one, created with it (:attr:`DPPlan.key_roles`); the samplers and
+    pipelines built from the plan record their keys in it, so that the plan itself is never
+    changed after construction. It is outside the plan's equality, hash and ``to_dict``
+    (a plan is the same plan whichever keys it was used with).
+
+    Privacy: the noise, the sampling, the count noise and the augmentation must draw from
+    independent keys; one key in two roles makes, e.g., the noise a function of the same
+    random bits as the choice of the batch. :meth:`claim` refuses it.
+
+    Example:
+        >>> from opake_fx.random import key
+        >>> roles = KeyRoles()
+        >>> roles.claim(("sampler", key(1)), ("noise", key(2)))
+        >>> roles.role_of(key(2))
+        'noise'
+        >>> roles.claim(("noise", key(1)))
+        Traceback (most recent call last):
+          ...
+        opake_fx.errors.InputValueError: DPPlan: RngKey(...) is already this plan's sampler key; ...
+        >>> roles.claim(("count", key(3)), ("augmentation", key(3)))  # within one call too
+        Traceback (most recent call last):
+          ...
+        opake_fx.errors.InputValueError: DPPlan: RngKey(...) is already this plan's count key; ...
+        >>> roles.role_of(key(3)) is None  # a refused call records nothing
+        True
+    """
+
+    def __init__(self) -> None:
+        self._roles: dict[RngKey, str] = {}
+
+    def claim(self, *roles: tuple[str, RngKey]) -> None:
+        """Records each ``(role, key)``; refuses a key that already has another role. All are
+        checked before any is recorded, so a refused call changes nothing."""
+        claimed = dict(self._roles)
+        for role, k in roles:
+            other = claimed.setdefault(k, role)
+            if other != role:
+                raise InputValueError(
+                    f"DPPlan: {k!r} is already this plan's {other} key; the {role} key must be another one. One key "
+                    "in two roles ties the two random draws together (e.g. the noise to the choice of the batch). "
+                    "Derive independent keys, e.g. sampler_key, noise_key, count_key = split(key(seed), 3) (for "
+                    "several runs from one plan, one split per run: keys distinct across runs too)."
+                )
+        self._roles = claimed
+
+    def role_of(self, k: RngKey) -> str | None:
+        """The role ``k`` was claimed for, or None."""
+        return self._roles.get(k)
 
 
 @dataclass(frozen=True)
@@ -221,6 +275,7 @@ class DPPlan:
         return hash(json.dumps(self.to_dict(), sort_keys=True))
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_key_roles", KeyRoles())  # (not a field: outside equality, hashing and to_dict)
         n = check.integer(self.dataset_size, "dataset_size", "DPPlan", minimum=1)
         check.integer(self.augmult, "augmult", "DPPlan", minimum=1)
         check.choice(self.sampling, "sampling", "DPPlan", SAMPLERS)
@@ -524,27 +579,14 @@ class DPPlan:
         pipeline = self.pipeline(loss_fn, optimizer, key=key, **pipeline_kwargs)
         return compile_step(pipeline, buckets=self.padding_buckets() if buckets == "auto" else buckets, mode=mode)
 
-    def _claim_keys(self, *roles: tuple[str, RngKey]) -> None:
-        """Records each ``(role, key)`` as one of this plan's keys; refuses a key that
-        already has another role.
+    @property
+    def key_roles(self) -> KeyRoles:
+        """The plan's :class:`KeyRoles` ledger (which role each key it was used with plays)."""
+        return self._key_roles
 
-        The sampler, the noise, the adaptive count and the augmentation must draw from
-        independent keys: one key in two roles makes, e.g., the noise a function of the
-        same random bits as the choice of the batch. All are checked before any is
-        recorded, so a refused call changes nothing.
-        """
-        used = dict(self.__dict__.get("_key_roles", {}))
-        for role, k in roles:
-            other = used.get(k)
-            if other is not None and other != role:
-                raise InputValueError(
-                    f"DPPlan: {k!r} is already this plan's {other} key; the {role} key must be another one. One key "
-                    "in two roles ties the two random draws together (e.g. the noise to the choice of the batch). "
-                    "Derive independent keys, e.g. sampler_key, noise_key, count_key = split(key(seed), 3) (for "
-                    "several runs from one plan, one split per run: keys distinct across runs too)."
-                )
-            used.setdefault(k, role)
-        object.__setattr__(self, "_key_roles", used)  # (not a field: outside equality, hashing and to_dict)
+    def _claim_keys(self, *roles: tuple[str, RngKey]) -> None:
+        """Records each ``(role, key)`` in the plan's ledger (:meth:`KeyRoles.claim`)."""
+        self._key_roles.claim(*roles)
 
     @property
     def step_cost(self) -> Any:
@@ -631,29 +673,25 @@ class DPPlan:
             return Participation(self.steps, self.min_sep, -(-self.steps // self.min_sep), amplified=False)
         return Participation(self.steps, self.bands or 1, 1, amplified=True)
 
-    @property
+    @functools.cached_property
     def strategy(self) -> Any:
         """The DP-FTRL strategy of the plan, built once over ``steps``.
 
         ``band_mf``: ``band_mf_strategy(steps, bands)``; ``bsr``: ``bsr_strategy(steps,
         bands)``; ``blt``: ``blt_strategy(steps, min_sep=..., max_participations=...)``
-        optimised for the plan's :attr:`participation`.
+        optimised for the plan's :attr:`participation`. Computed on first use and kept (a
+        cache of a function of the plan's fields: outside equality and ``to_dict``).
         """
         if self.mechanism == "gaussian":
             raise InputValueError("DPPlan.strategy: a mechanism='gaussian' plan has no DP-FTRL strategy.")
-        cached = self.__dict__.get("_strategy")
-        if cached is None:
-            import opake_fx.dpftrl as mf
+        import opake_fx.dpftrl as mf
 
-            p = self.participation
-            if self.mechanism == "band_mf":
-                cached = mf.band_mf_strategy(self.steps, self.bands)
-            elif self.mechanism == "bsr":
-                cached = mf.bsr_strategy(self.steps, self.bands)
-            else:
-                cached = mf.blt_strategy(self.steps, min_sep=p.min_sep, max_participations=p.max_participations)
-            self.__dict__["_strategy"] = cached  # a cache, not a field: equality and to_dict ignore it
-        return cached
+        p = self.participation
+        if self.mechanism == "band_mf":
+            return mf.band_mf_strategy(self.steps, self.bands)
+        if self.mechanism == "bsr":
+            return mf.bsr_strategy(self.steps, self.bands)
+        return mf.blt_strategy(self.steps, min_sep=p.min_sep, max_participations=p.max_participations)
 
     def accountant(self) -> Any:
         """An :class:`~opake_fx.accounting.Accountant` with the plan's budget.
@@ -867,17 +905,17 @@ class DPPlan:
         steps = mf_acc.poisson_steps(nm, self.strategy, self.group_rate, partitions=self.bands, noise_sensitivity=sens)
         return steps[0]
 
-    def _increments(self) -> list[Any]:
+    @functools.cached_property
+    def _step_increments(self) -> list[Any]:
         """Per-step costs of a pattern-accounted (b-min-sep / balls-in-bins) plan, built once."""
-        cached = self.__dict__.get("_increments_cache")
-        if cached is None:
-            import opake_fx.dpftrl.accounting as mf_acc
+        import opake_fx.dpftrl.accounting as mf_acc
 
-            p = self.participation
-            cached = mf_acc.mf_gaussian_steps(self.noise_multiplier, self.strategy, p.min_sep, p.max_participations,
-                                              n_steps=p.steps)
-            self.__dict__["_increments_cache"] = cached
-        return cached
+        p = self.participation
+        return mf_acc.mf_gaussian_steps(self.noise_multiplier, self.strategy, p.min_sep, p.max_participations,
+                                        n_steps=p.steps)
+
+    def _increments(self) -> list[Any]:
+        return self._step_increments
 
     def _resolve_min_sep(self, n: int) -> int | None:
         if self.sampling in ("b_min_sep", "balls_in_bins"):

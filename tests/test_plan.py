@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -434,3 +435,20 @@ def test_record_loss_records_the_clipping_passs_losses_and_changes_no_update(mod
         assert state["clip"].clip_state.clipping_norm == plain_state["clip"].clipping_norm
     _, state = made[True].update((x[:0],), state, p)  # an empty batch records nothing
     assert float(state["clip"].loss_count) == 0.0 and float(state["clip"].loss_sum) == 0.0
+
+
+def test_building_from_a_plan_changes_none_of_its_attributes():
+    # The plan is frozen: the keys' roles are recorded in its KeyRoles ledger (one object,
+    # made with the plan), and the strategy is a cached property of its fields.
+    from opake_fx.plan import KeyRoles
+
+    plan = _plan(dataset_size=1000, batch_size=50, steps=20, target_epsilon=2.0)
+    ledger = plan.key_roles
+    before = dict(vars(plan))
+    f = lambda p, x: ((x - p) ** 2).sum()  # noqa: E731
+    plan.sampler(list(range(1000)), key(1))
+    plan.pipeline(f, sgd(0.1), key=key(0), batch_argnums=(1,))
+    assert dict(vars(plan)) == before and plan.key_roles is ledger and isinstance(ledger, KeyRoles)
+    assert ledger.role_of(key(1)) == "sampler" and ledger.role_of(key(0)) == "noise"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.steps = 3
