@@ -16,17 +16,27 @@ MAX_STEPS = 2**64
 """Step counters stay below this: ``fold_in(key, step)`` gives a distinct key for every step in ``[0, 2**64)``."""
 
 
+def check_noise_key(key: Any, what: str) -> None:
+    """Raises unless ``key`` is an :class:`~opake_fx.random.RngKey` (``what`` names it in the message).
+
+    The one check of a Gaussian mechanism's key (DP-SGD's and DP-FTRL's noise stages and
+    their states): step ``t`` draws from ``fold_in(key, t)``, and every rank must hold the
+    same key so that all ranks add identical noise.
+    """
+    if not isinstance(key, RngKey):
+        raise InputTypeError(
+            f"{what} must be an RngKey (opake_fx.random.key(seed)); got {type(key).__name__}. Use the same key "
+            "on every rank, so that all ranks add identical noise."
+        )
+
+
 def check_noise_state(key: Any, step: Any, owner: str) -> int:
     """Validates a noise state's key and step counter; returns the step as an ``int``.
 
     The step selects the noise key ``fold_in(key, step)``: a negative step, or one past
     ``2**64``, would alias another step's key and repeat its noise.
     """
-    if not isinstance(key, RngKey):
-        raise InputTypeError(
-            f"{owner}.key must be an RngKey (opake_fx.random.key(seed)); got {type(key).__name__}. Use the same key "
-            "on every rank."
-        )
+    check_noise_key(key, f"{owner}.key")
     if isinstance(step, torch.Tensor) and step.numel() == 1 and not (step.is_floating_point() or step.dtype == torch.bool):
         step = int(step)
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):

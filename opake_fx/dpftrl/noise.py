@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from opake_fx._noise_input import check_clipped_input, check_noise_multiplier, check_noise_state
+from opake_fx._noise_input import check_clipped_input, check_noise_key, check_noise_multiplier, check_noise_state
 from opake_fx.dpftrl.strategies._base import Strategy
 from opake_fx.dpftrl.strategies.banded import IdentityStrategy
 from opake_fx.dpsgd.noise import (
@@ -166,11 +166,7 @@ def mf_gaussian_noise(
             f"mf_gaussian_noise needs a Strategy (e.g. opake_fx.dpftrl.band_mf_strategy(...)); got {type(strategy).__name__}."
         )
     check_noise_multiplier(noise_multiplier, calibrate_with="opake_fx.accounting.calibrate and opake_fx.dpftrl.accounting")
-    if not isinstance(key, RngKey):
-        raise InputTypeError(
-            f"mf_gaussian_noise needs key=opake_fx.random.key(seed); got {type(key).__name__}. Use the same key on "
-            "every rank so all ranks add identical noise."
-        )
+    check_noise_key(key, "mf_gaussian_noise's key")
     horizon, sens = _horizon_and_sensitivity(strategy, min_sep, max_participations, epochs, n_steps)
     share = check_second_moment_share(second_moment_share)
     inverse = strategy.inverse_noise()

@@ -76,3 +76,16 @@ def test_mf_noise_state_with_a_negative_step_cannot_reach_the_noise():
     fn, state = mf_gaussian_noise(identity_strategy(4), noise_multiplier=1.0, key=key(0))
     with pytest.raises(InputValueError):
         fn(ClippedPytree((torch.zeros(2),), max_norm=1.0), MfNoiseState(state.key, -1))
+
+
+def test_one_key_check_for_every_gaussian_mechanism() -> None:
+    # DP-SGD's and DP-FTRL's noise states share one key check (and its message).
+    from opake_fx._noise_input import check_noise_key
+    from opake_fx.dpftrl.noise import MfNoiseState
+    from opake_fx.dpsgd.noise import GaussianNoiseState
+
+    with pytest.raises(InputTypeError, match="mf_gaussian_noise's key must be an RngKey .* got int"):
+        check_noise_key(7, "mf_gaussian_noise's key")
+    for state in (GaussianNoiseState, MfNoiseState):
+        with pytest.raises(InputTypeError, match=f"{state.__name__}.key must be an RngKey"):
+            state(key=7, step=0)  # type: ignore[arg-type]
