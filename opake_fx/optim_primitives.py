@@ -150,7 +150,7 @@ def trace(decay: Real, nesterov: bool = False, *, name: str = "trace") -> Transf
         return TraceState(trace=zeros_like(params))
 
     def update(grads: Any, state: TraceState, params: Any = None, **extra: Any) -> tuple[Any, TraceState]:
-        _expect_state(state, TraceState, name)
+        expect_state(state, TraceState, name)
         g_leaves, spec, _ = _flatten(grads, name)
         b_leaves = _state_leaves(state.trace, spec, name, "momentum")
         b_leaves = [decay * b + g for b, g in zip(b_leaves, g_leaves)]
@@ -301,7 +301,7 @@ def scale_by_adam(
         )
 
     def update(grads: Any, state: ScaleByAdamState, params: Any = None, **extra: Any) -> tuple[Any, ScaleByAdamState]:
-        _expect_state(state, ScaleByAdamState, name)
+        expect_state(state, ScaleByAdamState, name)
         if isinstance(grads, SecondMomentNoiseOutput):
             raise InputTypeError(
                 f"{name} feeds v with the square of the gradient; got a SecondMomentNoiseOutput, whose noised squared "
@@ -382,7 +382,7 @@ def scale_by_private_second_moment(
     gamma = check.positive(gamma, "gamma", name, "It is the floor of the noised second moment, which can be <= 0.")
 
     def update(pair: Any, state: ScaleByAdamState, params: Any = None, **extra: Any) -> tuple[Any, ScaleByAdamState]:
-        _expect_state(state, ScaleByAdamState, name)
+        expect_state(state, ScaleByAdamState, name)
         if not isinstance(pair, SecondMomentNoiseOutput):
             _flatten(pair, name)  # an un-noised clipped input gets its own message
             raise InputTypeError(
@@ -428,7 +428,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, name: str = "scal
     _check_lr(learning_rate, name)
 
     def update(updates: Any, state: ScheduleState, params: Any = None, **extra: Any) -> tuple[Any, ScheduleState]:
-        _expect_state(state, ScheduleState, name)
+        expect_state(state, ScheduleState, name)
         lr = _lr_at(learning_rate, state.count, name, like=updates)
         leaves, spec, _ = _flatten(updates, name)
         return optree.tree_unflatten(spec, [-lr * u for u in leaves]), ScheduleState(count=state.count + 1)
@@ -475,7 +475,7 @@ def add_decoupled_weight_decay(
     _check_lr(learning_rate, name)
 
     def update(updates: Any, state: ScheduleState, params: Any = None, **extra: Any) -> tuple[Any, ScheduleState]:
-        _expect_state(state, ScheduleState, name)
+        expect_state(state, ScheduleState, name)
         if weight_decay == 0.0:
             return updates, ScheduleState(count=state.count + 1)
         lr = _lr_at(learning_rate, state.count, name, like=updates)
@@ -633,7 +633,10 @@ def _state_leaves(tree: Any, spec: Any, where: str, what: str) -> list[torch.Ten
     return leaves
 
 
-def _expect_state(state: Any, cls: type, where: str) -> None:
+def expect_state(state: Any, cls: type, where: str) -> None:
+    """Raises unless ``state`` is the ``cls`` an optimizer's ``init`` (or a previous update)
+    returned; ``where`` names the transform in the message (shared by the primitives and the
+    optimizers built from them)."""
     if not isinstance(state, cls):
         raise InputTypeError(
             f"{where}.update needs the {cls.__name__} returned by init or a previous update; got {type(state).__name__}."

@@ -69,6 +69,7 @@ from opake_fx.optim_primitives import (
     TraceState,
     add_decayed_weights,
     add_decoupled_weight_decay,
+    expect_state,
     scale_by_adam,
     scale_by_learning_rate,
     scale_by_private_second_moment,
@@ -156,7 +157,7 @@ def sgd(
         return SgdState(count=0, momentum=momentum_stage.init(params).trace)
 
     def update(grads: Any, state: SgdState, params: Any = None, **extra: Any) -> tuple[Any, SgdState]:
-        _check_state(state, SgdState, "sgd")
+        expect_state(state, SgdState, "sgd")
         if decay is not None:
             grads, _ = decay.update(grads, EmptyState(), params)
         new_buf = None
@@ -328,7 +329,7 @@ def _adam(
         return AdamState(count=s.count, mu=s.mu, nu=s.nu)
 
     def update(grads: Any, state: AdamState, params: Any = None, **extra: Any) -> tuple[Any, AdamState]:
-        _check_state(state, AdamState, name)
+        expect_state(state, AdamState, name)
         if isinstance(grads, SecondMomentNoiseOutput) and dp_bias_correction is not None:
             raise InputValueError(
                 f"{name}: got a SecondMomentNoiseOutput (a private second moment) and dp_bias_correction is set; "
@@ -345,10 +346,3 @@ def _adam(
 
     return Transform(init, update, StagePrivacy("optimizer", name))
 
-
-def _check_state(state: Any, cls: type, where: str) -> None:
-    """The optimizers' own state types (the primitives' states live inside them)."""
-    if not isinstance(state, cls):
-        raise InputTypeError(
-            f"{where}.update needs the {cls.__name__} returned by init or a previous update; got {type(state).__name__}."
-        )

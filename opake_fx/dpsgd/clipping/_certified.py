@@ -122,8 +122,8 @@ def sq_norms(x: torch.Tensor) -> torch.Tensor:
     underflow: every finite row gets a bound within about ``gamma_514`` (3e-5) of its
     value, with no recomputation and no host synchronisation. Smaller float32 tensors and
     other dtypes take the float64 path: every square of a float32 / bfloat16 / float16
-    value is exact in float64, and the float64 sum's rounding is covered by a ``(1 + gamma_{n+2})`` factor; float64 rows are
-    rescaled the same way (outside ``[2**-300, 2**300)``). A norm whose square is beyond
+    value is exact in float64, and the float64 sum's rounding is covered by a
+    ``(1 + gamma_{n+2})`` factor; float64 rows are rescaled the same way (outside ``[2**-300, 2**300)``). A norm whose square is beyond
     float64's range (above ~1.3e154) is inf, and a row holding a NaN or an inf has a
     non-finite bound: the engine gives those examples weight 0.
 

@@ -42,7 +42,6 @@ would silently use the module's own, possibly stale, parameters).
 from __future__ import annotations
 
 import contextlib
-
 import warnings
 from typing import Any, Callable
 

@@ -138,14 +138,12 @@ def _attention_forward(module: nn.MultiheadAttention, call: dict[str, Any], drop
     extra key/value biases are tapped as rows of the keys and values, one per example."""
     q, k, v = _input_projections(module, call, tap, names)
     if module.bias_k is not None and module.bias_v is not None:
-        b = q.shape[0]
-        for name in ("bias_k", "bias_v"):
-            row = getattr(module, name).expand(b, 1, module.embed_dim)  # [1, 1, d] -> one row per example
-            row = tap(KEY_VALUE_BIAS, module, _only(names, name), row, row)
-            if name == "bias_k":
-                k = torch.cat([k, row], dim=1)
-            else:
-                v = torch.cat([v, row], dim=1)
+
+        def extra_row(name: str) -> torch.Tensor:
+            row = getattr(module, name).expand(q.shape[0], 1, module.embed_dim)  # [1, 1, d] -> one row per example
+            return tap(KEY_VALUE_BIAS, module, _only(names, name), row, row)
+
+        k, v = torch.cat([k, extra_row("bias_k")], dim=1), torch.cat([v, extra_row("bias_v")], dim=1)
     found = _attention_core(q, k, v, module, call, dropout)
     if found is None:
         return None
@@ -268,8 +266,7 @@ class AttentionRule(FallbackRule):
         """``(recomputed output, attention weights or None)`` through tapped projections, or
         None (see the module docstring); ``cache`` keeps the dropout-free checks across steps."""
         call = self._call(module, args, kwargs, names, params_of)
-        if call is None or not isinstance(output, tuple) or len(output) != 2 or not self.confirms(
-                module, args, kwargs, output, batched):
+        if call is None or not isinstance(output, tuple) or len(output) != 2 or not _reads_batched(call, batched):
             return None
         dropout = module.dropout if module.training else 0.0
         if dropout > 0 and not _matches_without_dropout(module, args, kwargs, call, cache):
@@ -298,7 +295,7 @@ class AttentionRule(FallbackRule):
                  batched: dict[int, bool]) -> bool:
         """Query, key and value carry the batch axis first."""
         call = _attention_arguments(module, args, kwargs)  # type: ignore[arg-type]
-        return call is not None and all(batched.get(id(call[k]), False) for k in ("query", "key", "value"))
+        return call is not None and _reads_batched(call, batched)
 
     @staticmethod
     def _call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], names: dict[str, int],
@@ -311,6 +308,11 @@ class AttentionRule(FallbackRule):
         if not (names or params_of(module.out_proj)):
             return None
         return _attention_arguments(module, args, kwargs)
+
+
+def _reads_batched(call: dict[str, Any], batched: dict[int, bool]) -> bool:
+    """Whether the call's query, key and value carry the batch axis first (provenance verdicts)."""
+    return all(batched.get(id(call[k]), False) for k in ("query", "key", "value"))
 
 
 def _matches_without_dropout(module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any],

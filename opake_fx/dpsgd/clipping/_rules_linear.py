@@ -15,8 +15,9 @@ layer mixes examples, row ``i`` of ``g`` is the gradient of ``L_i`` alone, so ex
 * Conv1d / Conv2d: unfolded input patches turn the layer into a Linear over output
   positions, one per group (Bu et al. 2023). Where per-example weight gradients are the
   cheaper form, they are the weight gradient of one convolution whose groups are the batch's
-  examples times the layer's groups (no unfolded copy of the input), except where the
-  patches are a mere view of the input (stride = kernel, no padding or dilation).
+  examples times the layer's groups (no unfolded copy of the input; for a depthwise layer
+  at stride 1, one forward convolution with the output gradients as kernels), except where
+  the patches are a mere view of the input (stride = kernel, no padding or dilation).
 
 Privacy contract: the norm that decides each example's weight is certified
 (:func:`._certified.gram_sq_norms` in float64 plus the rounding bound of the weighted
@@ -319,8 +320,6 @@ def conv_grad(
         return cols.view(hi - lo, groups, d_in, t).transpose(2, 3)
 
     def weight_per_example(compute: torch.dtype) -> torch.Tensor:
-        # The weight gradient of one convolution with B x groups groups over the batch laid
-        # side by side along the channels: group (i, j) sees example i's channels of group j only.
         gc, ac = N.as_dtype(g, compute), N.as_dtype(a, compute)
         h, w = g.shape[2:]
         if module.in_channels == groups and stride == (1, 1):
@@ -330,6 +329,8 @@ def conv_grad(
             out = F.conv2d(ac.reshape(1, batch * groups, *a.shape[2:]), gc.reshape(batch * module.out_channels, 1, h, w),
                            padding=padding, dilation=stride, stride=dilation, groups=batch * groups)
             return out[0, :, : kernel[0], : kernel[1]].reshape(batch, groups, d_out, d_in)
+        # The weight gradient of one convolution with B x groups groups over the batch laid
+        # side by side along the channels: group (i, j) sees example i's channels of group j only.
         grad = torch.ops.aten.convolution_backward(
             gc.reshape(1, batch * module.out_channels, h, w),
             ac.reshape(1, batch * module.in_channels, *a.shape[2:]),
