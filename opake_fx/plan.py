@@ -384,7 +384,7 @@ class DPPlan:
         rank = get_rank() if rank is None else rank
         start, stop = shard_bounds(self.dataset_size, rank, world_size)
         local_key = fold_in(key, rank) if world_size > 1 else key
-        self._claim_keys(("sampler", key), ("sampler", local_key))
+        self._key_roles.claim(("sampler", key), ("sampler", local_key))
         shard = range(start, stop)
         if self.sampling == "cyclic_poisson":
             from opake_fx.dpftrl.sampling import CyclicPoissonSampler
@@ -479,7 +479,7 @@ class DPPlan:
 
         if not isinstance(key, RngKey):
             raise InputTypeError(f"DPPlan.pipeline needs key=opake_fx.random.key(seed) (the noise key); got {type(key).__name__}.")
-        self._claim_keys(("noise", key), *[(r, k) for r, k in (("count", count_key), ("augmentation", augment_key))
+        self._key_roles.claim(("noise", key), *[(r, k) for r, k in (("count", count_key), ("augmentation", augment_key))
                                            if isinstance(k, RngKey)])
 
         if self.mechanism != "gaussian":
@@ -584,10 +584,6 @@ class DPPlan:
         """The plan's :class:`KeyRoles` ledger (which role each key it was used with plays)."""
         return self._key_roles
 
-    def _claim_keys(self, *roles: tuple[str, RngKey]) -> None:
-        """Records each ``(role, key)`` in the plan's ledger (:meth:`KeyRoles.claim`)."""
-        self._key_roles.claim(*roles)
-
     @property
     def step_cost(self) -> Any:
         """The :class:`~opake_fx.accounting.DpProcess` of one step (the sampler's and the noise's).
@@ -623,7 +619,7 @@ class DPPlan:
 
             return self._opportunity(self.noise_multiplier) if t % self.bands == 0 else identity()
         if not self.participation.amplified:
-            return self._increments()[t]
+            return self._step_increments[t]
         return self._step(self.noise_multiplier)
 
     @property
@@ -761,7 +757,7 @@ class DPPlan:
         if self.noise_multiplier == 0:
             return nonprivate()
         if not self.participation.amplified:
-            return compose(*self._increments()[:n])
+            return compose(*self._step_increments[:n])
         return self._run(self.noise_multiplier, n)
 
     def save_checkpoint(self, path: Any, *, params: Any, state: Any, sampler: Any = None, accountant: Any = None,
@@ -892,7 +888,7 @@ class DPPlan:
 
             if nm != self.noise_multiplier:
                 raise InputValueError("DPPlan: prefix accounting is for the plan's own noise multiplier.")
-            return compose(*self._increments()[:n]) if n > 0 else identity()  # one call: linear, not quadratic
+            return compose(*self._step_increments[:n]) if n > 0 else identity()  # one call: linear, not quadratic
         return self._step(nm) * n
 
     def _opportunity(self, nm: float) -> Any:
@@ -913,9 +909,6 @@ class DPPlan:
         p = self.participation
         return mf_acc.mf_gaussian_steps(self.noise_multiplier, self.strategy, p.min_sep, p.max_participations,
                                         n_steps=p.steps)
-
-    def _increments(self) -> list[Any]:
-        return self._step_increments
 
     def _resolve_min_sep(self, n: int) -> int | None:
         if self.sampling in ("b_min_sep", "balls_in_bins"):
