@@ -3,8 +3,10 @@
 A clipping function is fixed by three things: a *backend* that yields per-example
 gradients (or what is needed to weight them), a *scale rule* that turns per-example
 gradient norms into per-example weights, and a *state update*. This module does the
-rest: argument checks, microbatching, the empty batch, norms that neither overflow
-nor underflow, the non-finite policy, float32 accumulation and the output wrapper.
+rest: each call's argument checks, microbatching, the empty batch, norms that neither
+overflow nor underflow, the non-finite policy, float32 accumulation and the output
+wrapper. The function's own options are checked once, when it is made
+(:meth:`.options.ClipConfig.of`).
 
 Non-finite policy: an example whose gradient contains a NaN or an inf gets weight 0
 (its contribution is exactly zero, so the sensitivity bound still holds) and is
@@ -23,15 +25,15 @@ ghost norms, whose weighted sum rounds over positions).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import optree
 import torch
 
 from opake_fx.dpsgd.clipping import _certified as cert
 from opake_fx.dpsgd.clipping._per_example import autograd_grad, map_examples
+from opake_fx.dpsgd.clipping.options import ClipConfig
 from opake_fx.dpsgd.clipping.types import ClippedGradAux, ClippingStats
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.pytree import NAMESPACE, safe_norm, tree_flatten_with_paths
@@ -39,102 +41,6 @@ from opake_fx.types import ClippedPytree, PerGroup, SecondMomentClippingOutput
 
 Norms = torch.Tensor  # float64, shape [G, B]
 WeightFn = Callable[[Norms, torch.Tensor], torch.Tensor]  # (norms [G,B], bounds [G]) -> weights [G,B]
-
-
-@dataclass(frozen=True)
-class ClipConfig:
-    """Static configuration shared by every call of one clipped-gradient function."""
-
-    argnums: tuple[int, ...]
-    single_argnum: bool
-    batch_argnums: tuple[int, ...]
-    has_aux: bool
-    normalize_by: float
-    microbatch_size: int | None
-    dtype: torch.dtype | None
-    return_aux: bool
-    return_stats: bool
-    # A per-example map applied to each example's gradient before its norm (vmap backend only).
-    pre_clip: Callable[[Any], Any] | None = None
-    # Also sum the clipped per-example squared gradients (vmap backend only).
-    second_moment: bool = False
-
-
-def make_config(
-    argnums: int | Sequence[int],
-    batch_argnums: int | Sequence[int],
-    *,
-    has_aux: bool,
-    normalize_by: float,
-    microbatch_size: int | None,
-    dtype: torch.dtype | None,
-    return_aux: bool,
-    return_stats: bool,
-    pre_clip: Callable[[Any], Any] | None = None,
-    second_moment: bool = False,
-) -> ClipConfig:
-    """Validates the static arguments of a clipping function."""
-    single = isinstance(argnums, int)
-    arg_t = _as_index_tuple(argnums, "argnums")
-    batch_t = _as_index_tuple(batch_argnums, "batch_argnums")
-    if not arg_t:
-        raise InputValueError("argnums must name at least one argument to differentiate.")
-    if not batch_t:
-        raise InputValueError("batch_argnums must name at least one argument with a batch axis.")
-    overlap = sorted(set(arg_t) & set(batch_t))
-    if overlap:
-        raise InputValueError(
-            f"argnums={arg_t} and batch_argnums={batch_t} overlap at {overlap}: an argument cannot be both "
-            "differentiated (parameters, no batch axis) and batched (data). Usually argnums=0 (params) "
-            "and batch_argnums=(1, 2) (inputs, labels)."
-        )
-    if isinstance(normalize_by, bool) or not isinstance(normalize_by, (int, float)) or not (
-        math.isfinite(normalize_by) and normalize_by > 0
-    ):
-        raise InputValueError(
-            f"normalize_by must be a finite number > 0; got {normalize_by!r}. Use the expected batch size "
-            "(sample_rate * dataset_size) to get a mean gradient, or 1.0 for a sum."
-        )
-    if microbatch_size is not None and (isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1):
-        raise InputValueError(f"microbatch_size must be a positive int or None; got {microbatch_size!r}.")
-    if return_aux and return_stats:
-        raise InputValueError("return_aux and return_stats cannot both be set; ClippedGradAux has the stats fields.")
-    if pre_clip is not None and not callable(pre_clip):
-        raise InputTypeError(
-            f"pre_clip must be a function of one example's gradient pytree (returning a pytree of the same "
-            f"structure and shapes); got {type(pre_clip).__name__}."
-        )
-    if not isinstance(second_moment, bool):
-        raise InputTypeError(f"second_moment must be a bool; got {type(second_moment).__name__} {second_moment!r}.")
-    return ClipConfig(
-        argnums=arg_t,
-        single_argnum=single,
-        batch_argnums=batch_t,
-        has_aux=has_aux,
-        normalize_by=float(normalize_by),
-        microbatch_size=microbatch_size,
-        dtype=dtype,
-        return_aux=return_aux,
-        return_stats=return_stats,
-        pre_clip=pre_clip,
-        second_moment=second_moment,
-    )
-
-
-def check_clipping_norm(clipping_norm: Any, name: str = "clipping_norm") -> None:
-    """Rejects negative, NaN and non-numeric clip norms (inf is allowed: no clipping)."""
-    if isinstance(clipping_norm, PerGroup):
-        bad = {g: v for g, v in clipping_norm.values.items() if not v > 0}
-        if bad:
-            raise InputValueError(f"{name}: per-group clip norms must be > 0; got {bad}.")
-        return
-    if isinstance(clipping_norm, bool) or not isinstance(clipping_norm, (int, float)):
-        raise InputTypeError(f"{name} must be a float or a PerGroup; got {type(clipping_norm).__name__}.")
-    if math.isnan(clipping_norm) or clipping_norm <= 0:
-        raise InputValueError(
-            f"{name} must be > 0 (or inf for no clipping); got {clipping_norm}. It is the largest L2 norm "
-            "one example's gradient may have: typical values are 0.1 to 10."
-        )
 
 
 @dataclass
@@ -478,19 +384,17 @@ def check_example_mask(example_mask: Any, batch: int, device: torch.device | Non
 def batch_size_of(args: tuple[Any, ...], cfg: ClipConfig) -> int:
     """The common leading dimension of every batched argument (error if they differ)."""
     found: list[tuple[int, Any, int]] = []  # (argument, path, size); paths are formatted only for errors
-    for i in cfg.batch_argnums:
-        paths, flat, _ = tree_flatten_with_paths(args[i])
-        for p, leaf in zip(paths, flat):
-            if not isinstance(leaf, torch.Tensor):
-                raise InputTypeError(
-                    f"batched argument {i} has a non-tensor leaf at {p} ({type(leaf).__name__}); every leaf of "
-                    "a batch_argnums argument must be a tensor with the batch as its first dimension."
-                )
-            if leaf.dim() == 0:
-                raise InputValueError(
-                    f"batched argument {i} has a 0-dim tensor at {p}; batched tensors need a leading batch dimension."
-                )
-            found.append((i, p, leaf.shape[0]))
+    for i, p, leaf in _leaves_at(args, cfg.batch_argnums):
+        if not isinstance(leaf, torch.Tensor):
+            raise InputTypeError(
+                f"batched argument {i} has a non-tensor leaf at {p} ({type(leaf).__name__}); every leaf of "
+                "a batch_argnums argument must be a tensor with the batch as its first dimension."
+            )
+        if leaf.dim() == 0:
+            raise InputValueError(
+                f"batched argument {i} has a 0-dim tensor at {p}; batched tensors need a leading batch dimension."
+            )
+        found.append((i, p, leaf.shape[0]))
     if not found:
         raise InputValueError(f"batch_argnums={cfg.batch_argnums} name arguments with no tensors; nothing to batch over.")
     size = found[0][2]
@@ -518,15 +422,6 @@ def _norms_from_squares(sq_norms: torch.Tensor, leaf_group: list[int], num_group
     return sq.index_add_(0, index, sq_norms.to(torch.float64)).sqrt() * slack
 
 
-def _as_index_tuple(v: int | Sequence[int], name: str) -> tuple[int, ...]:
-    t = (v,) if isinstance(v, int) else tuple(v)
-    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in t):
-        raise InputValueError(f"{name} must be non-negative argument positions; got {v!r}.")
-    if len(set(t)) != len(t):
-        raise InputValueError(f"{name} has repeated positions: {v!r}.")
-    return t
-
-
 def _check_arg_count(args: tuple[Any, ...], cfg: ClipConfig) -> None:
     needed = max(cfg.argnums + cfg.batch_argnums) + 1
     if len(args) < needed:
@@ -537,19 +432,26 @@ def _check_arg_count(args: tuple[Any, ...], cfg: ClipConfig) -> None:
 
 
 def _check_args(args: tuple[Any, ...], cfg: ClipConfig) -> None:
-    for a in cfg.argnums:
-        paths, flat, _ = tree_flatten_with_paths(args[a])
-        for p, leaf in zip(paths, flat):
-            if not isinstance(leaf, torch.Tensor):
-                raise InputTypeError(
-                    f"argument {a} (differentiated) has a non-tensor leaf at {p}: {type(leaf).__name__}. "
-                    "Parameters must be tensors; pass constants through a non-differentiated argument or a closure."
-                )
-            if not leaf.is_floating_point():
-                raise InputTypeError(
-                    f"argument {a} (differentiated) has a {leaf.dtype} leaf at {p}; only floating-point tensors "
-                    "can be differentiated."
-                )
+    for a, p, leaf in _leaves_at(args, cfg.argnums):
+        if not isinstance(leaf, torch.Tensor):
+            raise InputTypeError(
+                f"argument {a} (differentiated) has a non-tensor leaf at {p}: {type(leaf).__name__}. "
+                "Parameters must be tensors; pass constants through a non-differentiated argument or a closure."
+            )
+        if not leaf.is_floating_point():
+            raise InputTypeError(
+                f"argument {a} (differentiated) has a {leaf.dtype} leaf at {p}; only floating-point tensors "
+                "can be differentiated."
+            )
+
+
+def _leaves_at(args: tuple[Any, ...], positions: tuple[int, ...]) -> list[tuple[int, tuple[Any, ...], Any]]:
+    """Every leaf of the arguments at ``positions``, in order, as ``(position, path, leaf)``."""
+    found: list[tuple[int, tuple[Any, ...], Any]] = []
+    for i in positions:
+        paths, flat, _ = tree_flatten_with_paths(args[i])
+        found += [(i, p, leaf) for p, leaf in zip(paths, flat)]
+    return found
 
 
 def diff_tree(args: tuple[Any, ...], cfg: ClipConfig) -> Any:

@@ -2,49 +2,26 @@
 
 The three clipping functions differ only in a :class:`ClipMode`: the clip norm a call
 uses, the rule that turns per-example norms into weights, and the state after the
-call. Everything they share — the keyword arguments (:class:`ClipOptions`), their
-validation, the backend, ``pre_clip``, the second-moment stream, the state check and the
-packaging of the result — is built here, once.
+call. Everything they share — the keyword arguments, checked once into one
+:class:`~.options.ClipConfig`, the backend, ``pre_clip``, the second-moment stream, the
+state check and the packaging of the result — is built here, once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping
 
 import torch
-from torch import nn
 
-from opake_fx.dpsgd.clipping._engine import ClipConfig, StepResult, WeightFn, clipped_step, make_config, package
+from opake_fx.dpsgd.clipping._engine import StepResult, WeightFn, clipped_step, package
 from opake_fx.dpsgd.clipping._ghost import make_backend, traced_whole_loss_pays, whole_loss_backend
-from opake_fx.dpsgd.clipping.types import ClipBackend, check_state
+from opake_fx.dpsgd.clipping.options import ClipConfig
+from opake_fx.dpsgd.clipping.types import FixedClipState, check_state
 from opake_fx.errors import InputTypeError, InputValueError
-from opake_fx.functional import FunctionalModel
+from opake_fx.types import PerGroup
 
-__all__ = ["ClipMode", "ClipOptions", "count_call", "make_grad_fn"]
-
-
-@dataclass(frozen=True)
-class ClipOptions:
-    """The keyword arguments every clipping function shares (documented in :func:`clipped_grad`)."""
-
-    argnums: int | Sequence[int] = 0
-    has_aux: bool = False
-    normalize_by: float = 1.0
-    batch_argnums: int | Sequence[int] = 1
-    microbatch_size: int | None = None
-    return_stats: bool = False
-    return_aux: bool = False
-    dtype: torch.dtype | None = None
-    clip_backend: ClipBackend = "vmap"
-    model: FunctionalModel | nn.Module | None = None
-    pre_clip: Callable[[Any], Any] | None = None
-    second_moment: bool = False
-
-    @classmethod
-    def pick(cls, arguments: dict[str, Any]) -> ClipOptions:
-        """The shared options among a clipping function's arguments (its ``locals()``)."""
-        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
+__all__ = ["ClipMode", "fixed_norm_grad_fn", "make_grad_fn"]
 
 
 @dataclass(frozen=True)
@@ -66,34 +43,34 @@ class ClipMode:
     advance: Callable[[Any, StepResult], Any]
 
 
-def count_call(state: Any, result: StepResult) -> Any:
-    """The ``advance`` of modes whose state only counts calls (fixed and AUTO-S clipping)."""
+def fixed_norm_grad_fn(
+    maker: str, weights: WeightFn, arguments: Mapping[str, Any]
+) -> tuple[Callable[..., Any], FixedClipState]:
+    """:func:`make_grad_fn` for a mode that clips at ``arguments["clipping_norm"]`` on every call
+    and whose state only counts calls (fixed and AUTO-S clipping): ``(grad_fn, state)``."""
+    clipping_norm = arguments["clipping_norm"]
+    mode = ClipMode(maker, FixedClipState, clipping_norm=lambda state: clipping_norm, weights=weights,
+                    advance=_count_call)
+    return make_grad_fn(arguments["loss_fn"], mode, arguments), FixedClipState(clipping_norm=clipping_norm)
+
+
+def _count_call(state: FixedClipState, result: StepResult) -> FixedClipState:
     return replace(state, step=state.step + 1)
 
 
-def make_grad_fn(loss_fn: Callable[..., Any], mode: ClipMode, options: ClipOptions) -> Callable[..., Any]:
-    """Validates ``options`` and returns ``grad_fn(*args, state=state, **kwargs)`` for ``mode``."""
+def make_grad_fn(loss_fn: Callable[..., Any], mode: ClipMode, arguments: Mapping[str, Any]) -> Callable[..., Any]:
+    """Checks the shared options among ``arguments`` (the public function's ``locals()``) into one
+    :class:`~.options.ClipConfig` and returns ``grad_fn(*args, state=state, **kwargs)`` for ``mode``."""
     if not callable(loss_fn):
         raise InputTypeError(f"{mode.maker} needs loss_fn to be callable; got {type(loss_fn).__name__}.")
-    cfg: ClipConfig = make_config(
-        options.argnums,
-        options.batch_argnums,
-        has_aux=options.has_aux,
-        normalize_by=options.normalize_by,
-        microbatch_size=options.microbatch_size,
-        dtype=options.dtype,
-        return_aux=options.return_aux,
-        return_stats=options.return_stats,
-        pre_clip=options.pre_clip,
-        second_moment=options.second_moment,
-    )
-    backend = make_backend(options.clip_backend, options.model)
-    if options.clip_backend != "vmap":
+    cfg = ClipConfig.of(arguments)
+    backend = make_backend(cfg.clip_backend, cfg.model)
+    if cfg.clip_backend != "vmap":
         needs = [name for name, on in (("pre_clip", cfg.pre_clip is not None), ("second_moment", cfg.second_moment)) if on]
         if needs:
             raise InputValueError(
                 f"{mode.maker}({'=..., '.join(needs)}=...) needs each example's gradient itself, which "
-                f"clip_backend={options.clip_backend!r} never forms (it computes norms and the weighted sum from "
+                f"clip_backend={cfg.clip_backend!r} never forms (it computes norms and the weighted sum from "
                 "layer activations). Use clip_backend=\"vmap\" (with a per-example loss_fn) for this."
             )
 
@@ -103,13 +80,13 @@ def make_grad_fn(loss_fn: Callable[..., Any], mode: ClipMode, options: ClipOptio
     # send every layer to the whole-loss fallback): inside a compiled step they run eagerly, as
     # one opaque call between graphs (opake_fx.compiled says so).
     # "auto" traces instead the whole-loss vmap path (no hooks) where that is the cheaper one.
-    step = clipped_step if options.clip_backend == "vmap" else torch.compiler.disable(clipped_step)
+    step = clipped_step if cfg.clip_backend == "vmap" else torch.compiler.disable(clipped_step)
 
     def grad_fn(*args: Any, state: Any = None, example_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
         check_state(state, mode.state_type, mode.maker)
         norm = mode.clipping_norm(state)
         run, run_backend = step, backend
-        if options.clip_backend == "auto" and torch.compiler.is_compiling() and traced_whole_loss_pays(args, cfg):
+        if cfg.clip_backend == "auto" and torch.compiler.is_compiling() and traced_whole_loss_pays(args, cfg):
             run, run_backend = clipped_step, whole_loss_backend
         result = run(loss_fn, args, kwargs, cfg, clipping_norm=norm, weight_fn=mode.weights, backend=run_backend,
                      plans=plans, example_mask=example_mask)

@@ -9,8 +9,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from opake_fx.dpsgd.clipping._engine import StepResult, check_clipping_norm
-from opake_fx.dpsgd.clipping._entry import ClipMode, ClipOptions, make_grad_fn
+from opake_fx.dpsgd.clipping._engine import StepResult
+from opake_fx.dpsgd.clipping._entry import ClipMode, make_grad_fn
+from opake_fx.dpsgd.clipping.options import check_clipping_norm
 from opake_fx.dpsgd.clipping.types import ClipBackend
 from opake_fx.dpsgd.clipping.fixed import clip_weights
 from opake_fx.functional import FunctionalModel
@@ -133,7 +134,6 @@ def adaptive_clipped_grad(
         count_noise_multiplier, "count_noise_multiplier", where,
         "0 releases the exact count (not private); Andrew et al. use about batch_size / 20.",
     )
-    options = ClipOptions.pick(locals())
 
     @torch.compiler.disable  # host-side: the noised count (keyed draw, .item()) and the next norm
     def advance(state: AdaptiveClipState, result: StepResult) -> AdaptiveClipState:
@@ -166,7 +166,7 @@ def adaptive_clipped_grad(
         weights=clip_weights,
         advance=advance,
     )
-    grad_fn = make_grad_fn(loss_fn, mode, options)  # validates the shared options
+    grad_fn = make_grad_fn(loss_fn, mode, locals())  # validates the shared options
     m = check.positive(
         expected_batch_size if expected_batch_size is not None else normalize_by,
         "expected_batch_size",

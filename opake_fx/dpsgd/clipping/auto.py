@@ -8,8 +8,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from opake_fx.dpsgd.clipping._engine import check_clipping_norm
-from opake_fx.dpsgd.clipping._entry import ClipMode, ClipOptions, count_call, make_grad_fn
+from opake_fx.dpsgd.clipping._entry import fixed_norm_grad_fn
+from opake_fx.dpsgd.clipping.options import check_clipping_norm
 from opake_fx.dpsgd.clipping.types import ClipBackend, FixedClipState
 from opake_fx.functional import FunctionalModel
 from opake_fx.errors import InputTypeError, InputValueError
@@ -72,7 +72,6 @@ def auto_clipped_grad(
         raise InputValueError("auto_clipped_grad needs a finite clipping_norm R: it scales every gradient to norm ~R.")
     if not (isinstance(gamma, (int, float)) and gamma >= 0 and math.isfinite(gamma)):
         raise InputValueError(f"gamma must be a finite number >= 0; got {gamma!r} (Bu et al. use 0.01).")
-    options = ClipOptions.pick(locals())
 
     def weights(norms: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
         denom = norms + gamma
@@ -80,11 +79,4 @@ def auto_clipped_grad(
         # A zero gradient (with gamma = 0) contributes zero whatever its weight.
         return torch.where(denom > 0, w, torch.zeros_like(w))
 
-    mode = ClipMode(
-        "auto_clipped_grad",
-        FixedClipState,
-        clipping_norm=lambda state: clipping_norm,
-        weights=weights,
-        advance=count_call,
-    )
-    return make_grad_fn(loss_fn, mode, options), FixedClipState(clipping_norm=clipping_norm)
+    return fixed_norm_grad_fn("auto_clipped_grad", weights, locals())

@@ -7,8 +7,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from opake_fx.dpsgd.clipping._engine import check_clipping_norm
-from opake_fx.dpsgd.clipping._entry import ClipMode, ClipOptions, count_call, make_grad_fn
+from opake_fx.dpsgd.clipping._entry import fixed_norm_grad_fn
+from opake_fx.dpsgd.clipping.options import check_clipping_norm
 from opake_fx.dpsgd.clipping.types import ClipBackend, FixedClipState
 from opake_fx.errors import InputValueError
 from opake_fx.functional import FunctionalModel
@@ -135,15 +135,7 @@ def clipped_grad(
             "clipped_grad(second_moment=True) needs one global clipping_norm; per-group norms are not supported "
             "for the squared-gradient stream."
         )
-    options = ClipOptions.pick(locals())
-    mode = ClipMode(
-        "clipped_grad",
-        FixedClipState,
-        clipping_norm=lambda state: clipping_norm,
-        weights=clip_weights,
-        advance=count_call,
-    )
-    return make_grad_fn(loss_fn, mode, options), FixedClipState(clipping_norm=clipping_norm)
+    return fixed_norm_grad_fn("clipped_grad", clip_weights, locals())
 
 
 def clip_weights(norms: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:

@@ -1,22 +1,27 @@
-"""The clipping chain stage: :func:`clip` (batch in, ``ClippedPytree`` out)."""
+"""The clipping chain stages: :func:`clip`, :func:`auto_clip`, :func:`adaptive_clip` (batch in, ``ClippedPytree`` out).
+
+Each is made from its clipping function (``clipped_grad``, ``auto_clipped_grad``,
+``adaptive_clipped_grad``) by one builder, which takes that function's keywords but
+``argnums``, ``has_aux``, ``return_aux`` and ``dtype`` (the stage's signature is derived
+from the function's) and adds the stage's line in the privacy report. :func:`as_stage`
+turns any ``(grad_fn, state)`` pair into a stage.
+"""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from torch import nn
 
 from opake_fx.dpsgd.clipping.adaptive import adaptive_clipped_grad
 from opake_fx.dpsgd.clipping.auto import auto_clipped_grad
 from opake_fx.dpsgd.clipping.fixed import clipped_grad
-from opake_fx.dpsgd.clipping.types import ClipBackend, ClippingStats
-from opake_fx.functional import FunctionalModel
+from opake_fx.dpsgd.clipping.types import ClippingStats
 from opake_fx.errors import InputValueError
 from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.transforms import Transform
-from opake_fx.random import RngKey
 from opake_fx.types import ClippedPytree, PerGroup, SecondMomentClippingOutput
 
 __all__ = ["clip", "auto_clip", "adaptive_clip", "as_stage", "ClipStageState"]
@@ -39,29 +44,53 @@ class ClipStageState:
     stats: ClippingStats | None = None
 
 
-#: The keywords every clip stage passes through to its clipping function unchanged.
-_STAGE_OPTIONS = ("normalize_by", "batch_argnums", "microbatch_size", "clip_backend", "model", "return_stats", "pre_clip",
-                  "second_moment")
+#: The clipping functions' keywords a stage does not take: it differentiates argument 0
+#: (``params``) and outputs the clipped sum alone, in the default dtype.
+_NOT_STAGE_KEYWORDS = ("argnums", "has_aux", "return_aux", "dtype")
+
+#: ``describe(keywords) -> (description, max_norm)``: a stage's line in the privacy report and
+#: its sensitivity (``None``: known per step only), from its keyword arguments.
+Describe = Callable[[Mapping[str, Any]], "tuple[str, float | PerGroup | None]"]
 
 
-def _shared(arguments: dict[str, Any]) -> dict[str, Any]:
-    """The pass-through keywords among a stage's arguments (its ``locals()``)."""
-    return {name: arguments[name] for name in _STAGE_OPTIONS}
+def _stage_of(name: str, clipping_function: Callable[..., Any], describe: Describe, doc: str) -> Callable[..., Transform]:
+    """The chain-stage form ``name(loss_fn, **keywords) -> Transform`` of a clipping function.
+
+    The stage takes the clipping function's keywords but ``_NOT_STAGE_KEYWORDS`` (its
+    signature is derived from the function's, so the two cannot drift apart), makes
+    ``clipping_function(loss_fn, argnums=0, **keywords)``, which checks them, and wraps
+    it with :func:`as_stage`, described by ``describe``.
+
+    Privacy: the stage outputs what the clipping function does; its ``StagePrivacy``
+    states ``describe``'s ``max_norm`` (``paired`` with ``second_moment=True``).
+    """
+    loss_fn, *keywords = (parameter for parameter in inspect.signature(clipping_function).parameters.values()
+                          if parameter.name not in _NOT_STAGE_KEYWORDS)
+    signature = inspect.Signature([loss_fn, *keywords], return_annotation="Transform")
+
+    def stage(*args: Any, **kwargs: Any) -> Transform:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{name}() {error}") from None
+        bound.apply_defaults()
+        given = dict(bound.arguments)
+        grad_fn, state = clipping_function(given.pop(loss_fn.name), argnums=0, **given)
+        description, max_norm = describe(given)
+        privacy = StagePrivacy("clip", description, max_norm=max_norm, paired=given["second_moment"])
+        return as_stage(grad_fn, state, batch_argnums=given["batch_argnums"], privacy=privacy,
+                        return_stats=given["return_stats"])
+
+    stage.__name__ = stage.__qualname__ = name
+    stage.__doc__ = doc
+    stage.__signature__ = signature  # type: ignore[attr-defined]
+    return stage
 
 
-def clip(
-    loss_fn: Callable[..., Any],
-    *,
-    clipping_norm: float | PerGroup,
-    normalize_by: float = 1.0,
-    batch_argnums: int | Sequence[int] = 1,
-    microbatch_size: int | None = None,
-    clip_backend: ClipBackend = "vmap",
-    model: FunctionalModel | nn.Module | None = None,
-    return_stats: bool = False,
-    pre_clip: Callable[[Any], Any] | None = None,
-    second_moment: bool = False,
-) -> Transform:
+clip = _stage_of(
+    "clip",
+    clipped_grad,
+    lambda k: (f"clip to {k['clipping_norm']}, divided by {k['normalize_by']:g}", k["clipping_norm"] / k["normalize_by"]),
     """Per-example clipping as the first stage of a pipeline.
 
     ``update(batch, state, params)`` calls ``loss_fn(params, *batch)`` per example
@@ -79,7 +108,8 @@ def clip(
     ``second_moment=True`` the stage outputs a
     :class:`~opake_fx.types.SecondMomentClippingOutput`, which the noise stages noise
     jointly). :func:`auto_clip` and :func:`adaptive_clip` are the same stage for AUTO-S
-    and adaptive clipping.
+    and adaptive clipping. The keywords are those of :func:`clipped_grad` but ``argnums``,
+    ``has_aux``, ``return_aux`` and ``dtype``.
 
     Privacy: output sensitivity ``clipping_norm / normalize_by`` (add-or-remove-one). The
     stats in the state are computed from raw per-example norms and are not private.
@@ -95,30 +125,14 @@ def clip(
         >>> out, s = t.update((torch.ones(4, 2),), t.init(p), p)
         >>> type(out).__name__, out.max_norm
         ('NoisedPytree', 1.0)
-    """
-    # (clipped_grad validates clipping_norm and normalize_by)
-    grad_fn, state = clipped_grad(loss_fn, argnums=0, clipping_norm=clipping_norm, **_shared(locals()))
-    described = StagePrivacy(
-        "clip", f"clip to {clipping_norm}, divided by {normalize_by:g}", max_norm=clipping_norm / normalize_by,
-        paired=second_moment,
-    )
-    return as_stage(grad_fn, state, batch_argnums=batch_argnums, privacy=described, return_stats=return_stats)
+    """,
+)
 
-
-def auto_clip(
-    loss_fn: Callable[..., Any],
-    *,
-    clipping_norm: float = 1.0,
-    gamma: float = 0.01,
-    normalize_by: float = 1.0,
-    batch_argnums: int | Sequence[int] = 1,
-    microbatch_size: int | None = None,
-    clip_backend: ClipBackend = "vmap",
-    model: FunctionalModel | nn.Module | None = None,
-    return_stats: bool = False,
-    pre_clip: Callable[[Any], Any] | None = None,
-    second_moment: bool = False,
-) -> Transform:
+auto_clip = _stage_of(
+    "auto_clip",
+    auto_clipped_grad,
+    lambda k: (f"AUTO-S to {k['clipping_norm']} (gamma={k['gamma']:g}), divided by {k['normalize_by']:g}",
+               k["clipping_norm"] / k["normalize_by"]),
     """AUTO-S clipping (:func:`~opake_fx.dpsgd.clipping.auto_clipped_grad`) as a chain stage.
 
     Arguments as :func:`clip`, plus AUTO-S's ``gamma``.
@@ -134,35 +148,14 @@ def auto_clip(
         >>> out, _ = stage.update((torch.ones(4, 2),), stage.init(p), p)
         >>> out.max_norm
         0.5
-    """
-    grad_fn, state = auto_clipped_grad(loss_fn, argnums=0, clipping_norm=clipping_norm, gamma=gamma, **_shared(locals()))
-    described = StagePrivacy(
-        "clip",
-        f"AUTO-S to {clipping_norm} (gamma={gamma:g}), divided by {normalize_by:g}",
-        max_norm=clipping_norm / normalize_by,
-        paired=second_moment,
-    )
-    return as_stage(grad_fn, state, batch_argnums=batch_argnums, privacy=described, return_stats=return_stats)
+    """,
+)
 
-
-def adaptive_clip(
-    loss_fn: Callable[..., Any],
-    *,
-    initial_clipping_norm: float,
-    count_noise_multiplier: float,
-    key: RngKey,
-    target_quantile: float = 0.5,
-    learning_rate: float = 0.2,
-    normalize_by: float = 1.0,
-    expected_batch_size: float | None = None,
-    batch_argnums: int | Sequence[int] = 1,
-    microbatch_size: int | None = None,
-    clip_backend: ClipBackend = "vmap",
-    model: FunctionalModel | nn.Module | None = None,
-    return_stats: bool = False,
-    pre_clip: Callable[[Any], Any] | None = None,
-    second_moment: bool = False,
-) -> Transform:
+adaptive_clip = _stage_of(
+    "adaptive_clip",
+    adaptive_clipped_grad,
+    lambda k: (f"adaptive clipping from {k['initial_clipping_norm']} (quantile {k['target_quantile']:g}), divided by "
+               f"{k['normalize_by']:g}; count noise multiplier {k['count_noise_multiplier']:g}", None),
     """Adaptive clipping (:func:`~opake_fx.dpsgd.clipping.adaptive_clipped_grad`) as a chain stage.
 
     Arguments as :func:`clip`, plus the quantile-tracking ones of
@@ -184,19 +177,8 @@ def adaptive_clip(
         >>> out, state = stage.update((torch.full((4, 2), 10.0),), stage.init(p), p)
         >>> out.max_norm, state.clipping_norm > 1.0
         (1.0, True)
-    """
-    grad_fn, state = adaptive_clipped_grad(
-        loss_fn, argnums=0, initial_clipping_norm=initial_clipping_norm, count_noise_multiplier=count_noise_multiplier,
-        key=key, target_quantile=target_quantile, learning_rate=learning_rate, expected_batch_size=expected_batch_size,
-        **_shared(locals()),
-    )
-    described = StagePrivacy(
-        "clip",
-        f"adaptive clipping from {initial_clipping_norm} (quantile {target_quantile:g}), divided by {normalize_by:g}; "
-        f"count noise multiplier {count_noise_multiplier:g}",
-        paired=second_moment,
-    )
-    return as_stage(grad_fn, state, batch_argnums=batch_argnums, privacy=described, return_stats=return_stats)
+    """,
+)
 
 
 def as_stage(
