@@ -252,7 +252,10 @@ def privacy_report(
         A :class:`PrivacyReport`.
 
     Privacy: reading only; the epsilon is that of Poisson-sampled DP-SGD with the
-    pipeline's noise multiplier and the stated sampling (the accountant's assumptions).
+    pipeline's noise multiplier and the stated sampling (the accountant's assumptions),
+    amplified by the same sampling part as a ``DPPlan(sampling="poisson")``
+    (:class:`~opake_fx.planning.samplers.poisson.PoissonSampling`), so a report and a
+    plan of the same run agree.
     It does not depend on the tracked sensitivity: the noise stage reads the sensitivity
     from the value it is given.
 
@@ -357,9 +360,12 @@ def privacy_report(
     if not private:
         epsilon = math.inf
     elif mechanism == "gaussian" and _sensitivity_known(flat) and None not in (sample_rate, steps, delta):
-        import opake_fx.dpsgd.accounting as dpsgd_acc  # lazily: accounting is optional for a report
+        from opake_fx.dpsgd.accounting import gaussian  # lazily: accounting is optional for a report
+        from opake_fx.planning.samplers.poisson import PoissonSampling
 
-        epsilon = (dpsgd_acc.poisson(dpsgd_acc.gaussian(nm), sample_rate) * steps).epsilon_at(delta)
+        # the Gaussian mechanism amplified by the part behind DPPlan(sampling="poisson")
+        step = PoissonSampling().amplify_at(gaussian(nm), sample_rate)
+        epsilon = (step * steps).epsilon_at(delta)
     else:
         epsilon = None
     return PrivacyReport(tuple(rows), private, clip_sens, nm, mechanism, epsilon, delta, std)

@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import json
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -36,25 +35,31 @@ from typing import Any
 
 import opake_fx.validation as check
 from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.planning.clip_modes import CLIP_MODES, ClipMode, check_clipping_kwargs
+from opake_fx.planning.clip_norms import clipping_norm_value, per_group_by_regex, regex_norms
+from opake_fx.planning.key_roles import KeyRoles
+from opake_fx.planning.loss_recording import RecordedLossState, loss_recording
+from opake_fx.planning.mechanisms import MECHANISMS as MECHANISM_PARTS
+from opake_fx.planning.mechanisms import NoiseMechanism, compatible_pairs
+from opake_fx.planning.participation import Participation
+from opake_fx.planning.samplers import SAMPLING, OffsetSampler, SamplingScheme, shard_sampler
 from opake_fx.random import RngKey, fold_in
 from opake_fx.types import PerGroup
 
-__all__ = ["DPPlan", "KeyRoles", "Participation", "RecordedLossState", "SAMPLERS", "MECHANISMS", "COMPATIBLE", "CLIPPING_MODES", "CLIPPING_KWARGS",
-           "check_clipping_kwargs", "per_group_by_regex", "regex_norms"]
+__all__ = ["DPPlan", "PlanParts", "KeyRoles", "Participation", "RecordedLossState", "SAMPLERS", "MECHANISMS",
+           "COMPATIBLE", "CLIPPING_MODES", "CLIPPING_KWARGS", "check_clipping_kwargs", "per_group_by_regex",
+           "regex_norms"]
 
-SAMPLERS = ("poisson", "truncated_poisson", "cyclic_poisson", "b_min_sep", "balls_in_bins")
-"""The samplers a plan can use; each comes with its own accounting."""
+SAMPLERS = SAMPLING.names()
+"""The samplers a plan can use (:data:`opake_fx.planning.samplers.SAMPLING`); each comes with its own accounting."""
 
-MECHANISMS = ("gaussian", "band_mf", "bsr", "blt")
-"""The noise mechanisms: DP-SGD's Gaussian, or DP-FTRL with a BandMF, BSR or BLT strategy."""
+MECHANISMS = MECHANISM_PARTS.names()
+"""The noise mechanisms (:data:`opake_fx.planning.mechanisms.MECHANISMS`): DP-SGD's Gaussian, or DP-FTRL with a
+BandMF, BSR or BLT strategy."""
 
-COMPATIBLE: dict[str, tuple[str, ...]] = {
-    "gaussian": ("poisson", "truncated_poisson"),
-    "band_mf": ("cyclic_poisson", "b_min_sep", "balls_in_bins"),
-    "bsr": ("cyclic_poisson", "b_min_sep", "balls_in_bins"),
-    "blt": ("b_min_sep", "balls_in_bins"),
-}
-"""The samplers each mechanism goes with (the pairs whose accounting the plan knows).
+COMPATIBLE: dict[str, tuple[str, ...]] = compatible_pairs()
+"""The samplers each mechanism goes with (the pairs whose accounting the plan knows), derived from the
+sampling parts' accounting kinds and the kinds each mechanism accounts.
 
 * ``gaussian`` (DP-SGD): Poisson amplification (``poisson``, ``truncated_poisson``).
 * banded strategies (``band_mf``, ``bsr``) under ``cyclic_poisson``: amplified BandMF,
@@ -67,102 +72,30 @@ COMPATIBLE: dict[str, tuple[str, ...]] = {
   :mod:`opake_fx.dpftrl.accounting` directly for it).
 """
 
-
-CLIPPING_MODES = ("fixed", "auto", "adaptive")
+CLIPPING_MODES = CLIP_MODES.names()
 """How the plan clips: ``fixed`` (to ``clipping_norm``, one norm or per group), ``auto``
 (AUTO-S, Bu et al. 2023: every gradient scaled to norm just under ``clipping_norm``) or
 ``adaptive`` (the norm tracks a quantile of the gradient norms through a noised count,
 Andrew et al. 2021; ``clipping_norm`` is the initial norm)."""
 
-CLIPPING_KWARGS: dict[str, dict[str, float | None]] = {
-    "fixed": {},
-    "auto": {"gamma": 0.01},
-    "adaptive": {"target_quantile": 0.5, "learning_rate": 0.2, "count_noise_multiplier": None},
-}
+CLIPPING_KWARGS: dict[str, dict[str, float | None]] = {mode.name: dict(mode.defaults) for mode in CLIP_MODES.parts()}
 """The ``clipping_kwargs`` each clipping mode takes, with their defaults (``None``: derived;
 ``count_noise_multiplier`` defaults to ``batch_size / 20``, Andrew et al.'s suggestion)."""
 
 
 @dataclass(frozen=True)
-class Participation:
-    """How one example can take part in a plan's run: the ONE value the noise and the accounting read.
-
-    The DP-FTRL noise stage scales its noise to ``strategy.sensitivity(min_sep,
-    max_participations)`` over ``steps`` steps, and the plan's accounting charges the
-    same pattern, so the two cannot disagree.
-
-    Attributes:
-        steps: the run's length (the strategy's horizon).
-        min_sep: the fewest steps between two participations of one example.
-        max_participations: the most participations of one example that the noise is
-            scaled to (1 for the amplified samplers: one opportunity at a time).
-        amplified: True when the accounting composes per-opportunity sampling
-            amplification (``poisson``, ``truncated_poisson``, ``cyclic_poisson``); False
-            when the whole run is one Gaussian mechanism over this pattern.
+class PlanParts:
+    """The three objects a plan composes, looked up from its ``sampling``, ``mechanism`` and
+    ``clipping_mode`` names (:mod:`opake_fx.planning`).
 
     Example:
-        >>> Participation(steps=100, min_sep=10, max_participations=10, amplified=False).max_participations
-        10
+        >>> DPPlan(dataset_size=100, batch_size=10, steps=5, noise_multiplier=1.0).parts.clip_mode.name
+        'fixed'
     """
 
-    steps: int
-    min_sep: int
-    max_participations: int
-    amplified: bool
-
-
-class KeyRoles:
-    """The ledger of which role each of a plan's keys plays (sampler, noise, adaptive count,
-    augmentation): one key, one role.
-
-    Every plan holds one, created with it (:attr:`DPPlan.key_roles`); the samplers and
-    pipelines built from the plan record their keys in it, so that the plan itself is never
-    changed after construction. It is outside the plan's equality, hash and ``to_dict``
-    (a plan is the same plan whichever keys it was used with).
-
-    Privacy: the noise, the sampling, the count noise and the augmentation must draw from
-    independent keys; one key in two roles makes, e.g., the noise a function of the same
-    random bits as the choice of the batch. :meth:`claim` refuses it.
-
-    Example:
-        >>> from opake_fx.random import key
-        >>> roles = KeyRoles()
-        >>> roles.claim(("sampler", key(1)), ("noise", key(2)))
-        >>> roles.role_of(key(2))
-        'noise'
-        >>> roles.claim(("noise", key(1)))
-        Traceback (most recent call last):
-          ...
-        opake_fx.errors.InputValueError: DPPlan: RngKey(...) is already this plan's sampler key; ...
-        >>> roles.claim(("count", key(3)), ("augmentation", key(3)))  # within one call too
-        Traceback (most recent call last):
-          ...
-        opake_fx.errors.InputValueError: DPPlan: RngKey(...) is already this plan's count key; ...
-        >>> roles.role_of(key(3)) is None  # a refused call records nothing
-        True
-    """
-
-    def __init__(self) -> None:
-        self._roles: dict[RngKey, str] = {}
-
-    def claim(self, *roles: tuple[str, RngKey]) -> None:
-        """Records each ``(role, key)``; refuses a key that already has another role. All are
-        checked before any is recorded, so a refused call changes nothing."""
-        claimed = dict(self._roles)
-        for role, k in roles:
-            other = claimed.setdefault(k, role)
-            if other != role:
-                raise InputValueError(
-                    f"DPPlan: {k!r} is already this plan's {other} key; the {role} key must be another one. One key "
-                    "in two roles ties the two random draws together (e.g. the noise to the choice of the batch). "
-                    "Derive independent keys, e.g. sampler_key, noise_key, count_key = split(key(seed), 3) (for "
-                    "several runs from one plan, one split per run: keys distinct across runs too)."
-                )
-        self._roles = claimed
-
-    def role_of(self, k: RngKey) -> str | None:
-        """The role ``k`` was claimed for, or None."""
-        return self._roles.get(k)
+    sampling: SamplingScheme
+    mechanism: NoiseMechanism
+    clip_mode: ClipMode
 
 
 @dataclass(frozen=True)
@@ -278,55 +211,43 @@ class DPPlan:
         object.__setattr__(self, "_key_roles", KeyRoles())  # (not a field: outside equality, hashing and to_dict)
         n = check.integer(self.dataset_size, "dataset_size", "DPPlan", minimum=1)
         check.integer(self.augmult, "augmult", "DPPlan", minimum=1)
-        check.choice(self.sampling, "sampling", "DPPlan", SAMPLERS)
-        check.choice(self.mechanism, "mechanism", "DPPlan", MECHANISMS)
-        if self.sampling not in COMPATIBLE[self.mechanism]:
+        sampling = SAMPLING.get(self.sampling)
+        mechanism = MECHANISM_PARTS.get(self.mechanism)
+        if sampling.accounting not in mechanism.accounts:
             raise InputValueError(
                 f"DPPlan: sampling={self.sampling!r} does not go with mechanism={self.mechanism!r} (the plan has no "
                 f"sound accounting for that pair). mechanism={self.mechanism!r} takes sampling in "
                 f"{COMPATIBLE[self.mechanism]}; the valid pairs are {_pairs()}."
             )
-        min_sep = self._resolve_min_sep(n)
+        min_sep = _used_field(self.min_sep, "min_sep", "sampling", sampling, SAMPLING.parts(), "uses_min_sep",
+                              sampling.min_sep_message, minimum=1)
         batch_size = self.batch_size
-        if self.sampling == "balls_in_bins" and batch_size is None and self.sample_rate is None:
-            batch_size = n / min_sep  # every example once per cycle of min_sep bins
+        if batch_size is None and self.sample_rate is None:
+            batch_size = sampling.default_batch_size(n, min_sep)
         q, b = _sampling(n, batch_size, self.sample_rate)
         steps, epochs = _length(q, self.steps, self.epochs)
-        c = _clipping_norm(self.clipping_norm)
-        mode = check.choice(self.clipping_mode, "clipping_mode", "DPPlan", CLIPPING_MODES)
-        object.__setattr__(self, "clipping_kwargs", MappingProxyType(_clipping_kwargs(mode, self.clipping_kwargs, b)))
-        self._check_clipping_mode(c)
-        if min_sep is not None:
-            self._check_min_sep(n, b, steps, min_sep)
-        if self.mechanism in ("band_mf", "bsr"):
-            bands = check.integer(self.bands, "bands", "DPPlan", minimum=1) if self.bands is not None else None
-            if bands is None:
-                raise InputValueError(
-                    f"DPPlan(mechanism={self.mechanism!r}) needs bands (e.g. 4): the strategy's band count."
-                )
-            if self.sampling == "cyclic_poisson" and b * bands > n:
-                raise InputValueError(
-                    f"DPPlan: batch_size * bands = {b * bands} exceeds dataset_size={n}: each of the {bands} groups "
-                    "cannot supply the expected batch. Use fewer bands or a smaller batch."
-                )
-            object.__setattr__(self, "bands", bands)
-        elif self.bands is not None:
+        c = clipping_norm_value(self.clipping_norm)
+        mode = CLIP_MODES.get(self.clipping_mode)
+        given = check_clipping_kwargs(mode.name, self.clipping_kwargs, "DPPlan")
+        object.__setattr__(self, "clipping_kwargs", MappingProxyType(mode.fill(given, b)))
+        if mode.one_norm_reason is not None and isinstance(c, PerGroup):
             raise InputValueError(
-                f"DPPlan: bands applies to mechanism='band_mf' or 'bsr' only; mechanism={self.mechanism!r}."
+                f"DPPlan: clipping_mode={mode.name!r} takes one clipping_norm, not per-group norms ("
+                f"{mode.one_norm_reason}). Use clipping_mode='fixed' for per-group clipping, or one float clipping_norm."
             )
-        object.__setattr__(self, "min_sep", min_sep)
+        mode.check(self)
+        bands = _used_field(self.bands, "bands", "mechanism", mechanism, MECHANISM_PARTS.parts(), "needs_bands",
+                            mechanism.bands_message, minimum=1)
+        cap = _used_field(self.max_batch_size, "max_batch_size", "sampling", sampling, SAMPLING.parts(),
+                          "uses_max_batch_size", lambda: (f"DPPlan(sampling={self.sampling!r}) needs max_batch_size "
+                                                          "(the batch cap)."), minimum=1)
+        for name, value in (("dataset_size", n), ("batch_size", b), ("sample_rate", q), ("steps", steps),
+                            ("epochs", epochs), ("clipping_norm", c), ("min_sep", min_sep), ("bands", bands),
+                            ("max_batch_size", cap)):
+            object.__setattr__(self, name, value)
+        sampling.check(self, b)
         check.choice(self.clip_backend, "clip_backend", "DPPlan", ("vmap", "ghost", "auto"))
         check.choice(self.accountant_kind, "accountant_kind", "DPPlan", ("pld", "rdp"))
-        cap = None
-        if self.sampling == "truncated_poisson":
-            if self.max_batch_size is None:
-                raise InputValueError("DPPlan(sampling='truncated_poisson') needs max_batch_size (the batch cap).")
-            cap = check.integer(self.max_batch_size, "max_batch_size", "DPPlan", minimum=1)
-        elif self.max_batch_size is not None:
-            raise InputValueError("DPPlan: max_batch_size applies to sampling='truncated_poisson' only.")
-        for name, value in (("dataset_size", n), ("batch_size", b), ("sample_rate", q), ("steps", steps),
-                            ("epochs", epochs), ("clipping_norm", c), ("max_batch_size", cap)):
-            object.__setattr__(self, name, value)
         delta = None
         if self.delta is not None:
             delta = check.real(self.delta, "delta", "DPPlan", "e.g. 1e-5, below 1 / dataset_size")
@@ -335,6 +256,12 @@ class DPPlan:
         object.__setattr__(self, "delta", delta)
         nm = self._resolve_noise_multiplier(delta)
         object.__setattr__(self, "noise_multiplier", nm)
+
+    @functools.cached_property
+    def parts(self) -> PlanParts:
+        """The sampling, mechanism and clip-mode objects this plan composes (:mod:`opake_fx.planning`)."""
+        return PlanParts(SAMPLING.get(self.sampling), MECHANISM_PARTS.get(self.mechanism),
+                         CLIP_MODES.get(self.clipping_mode))
 
     # --- what the plan builds ----------------------------------------------------------
 
@@ -348,7 +275,8 @@ class DPPlan:
                 process group, values other than the group's are refused.
 
         Returns:
-            A ``DataLoader`` batch sampler yielding indices into ``dataset``:
+            A ``DataLoader`` batch sampler yielding indices into ``dataset``, built by the
+            plan's sampling part (:meth:`~opake_fx.planning.samplers.base.SamplingScheme.build`):
             ``PoissonSampler`` / ``TruncatedPoissonSampler`` (Gaussian), or
             ``CyclicPoissonSampler`` / ``MinSepSampler`` (warm-started) /
             ``BallsInBinsSampler`` from :mod:`opake_fx.dpftrl.sampling`.
@@ -358,7 +286,6 @@ class DPPlan:
         sampler over the whole dataset, with the pattern the accountant charges.
         """
         from opake_fx.distributed import get_rank, get_world_size, is_distributed, shard_bounds
-        from opake_fx.dpsgd.sampling import PoissonSampler, TruncatedPoissonSampler
 
         if is_distributed() and (rank, world_size) != (None, None) and (
             (rank if rank is not None else get_rank(), world_size if world_size is not None else get_world_size())
@@ -385,34 +312,8 @@ class DPPlan:
         start, stop = shard_bounds(self.dataset_size, rank, world_size)
         local_key = fold_in(key, rank) if world_size > 1 else key
         self._key_roles.claim(("sampler", key), ("sampler", local_key))
-        shard = range(start, stop)
-        if self.sampling == "cyclic_poisson":
-            from opake_fx.dpftrl.sampling import CyclicPoissonSampler
-
-            inner: Any = CyclicPoissonSampler(
-                shard, sample_rate=self.group_rate, partitions=self.bands, n_steps=self.steps, key=local_key
-            )
-        elif self.sampling == "b_min_sep":
-            from opake_fx.dpftrl.sampling import MinSepSampler
-
-            inner = MinSepSampler(shard, sample_rate=self.participation_rate, min_sep=self.min_sep,
-                                  n_steps=self.steps, key=local_key, warm_start=True)
-        elif self.sampling == "balls_in_bins":
-            from opake_fx.dpftrl.sampling import BallsInBinsSampler
-
-            inner = BallsInBinsSampler(shard, cycle_length=self.min_sep, n_steps=self.steps, key=local_key)
-        elif self.sampling == "truncated_poisson":
-            if world_size > 1:
-                raise InputValueError(
-                    "DPPlan: sampling='truncated_poisson' caps the whole batch, which ranks sampling their shards "
-                    "independently cannot do; use sampling='poisson' under a process group."
-                )
-            inner = TruncatedPoissonSampler(
-                shard, sample_rate=self.sample_rate, n_steps=self.steps, key=local_key, max_batch_size=self.max_batch_size
-            )
-        else:
-            inner = PoissonSampler(shard, sample_rate=self.sample_rate, n_steps=self.steps, key=local_key)
-        return _Offset(inner, start) if start else inner
+        inner = self.parts.sampling.build(self, range(start, stop), local_key, world_size)
+        return OffsetSampler(inner, start) if start else inner
 
     def pipeline(
         self,
@@ -474,50 +375,31 @@ class DPPlan:
         accounts.
         """
         from opake_fx.distributed import psum
-        from opake_fx.dpsgd import adaptive_clip, auto_clip, clip, noise
         from opake_fx.transforms import named_chain
 
         if not isinstance(key, RngKey):
             raise InputTypeError(f"DPPlan.pipeline needs key=opake_fx.random.key(seed) (the noise key); got {type(key).__name__}.")
         self._key_roles.claim(("noise", key), *[(r, k) for r, k in (("count", count_key), ("augmentation", augment_key))
                                            if isinstance(k, RngKey)])
-
-        if self.mechanism != "gaussian":
-            from opake_fx.dpftrl import noise as mf_noise
-
-            p = self.participation  # the same value the accounting reads
-            noise_stage = mf_noise(self.strategy, noise_multiplier=self.noise_multiplier, key=key, min_sep=p.min_sep,
-                                   max_participations=p.max_participations, n_steps=p.steps)
-        else:  # isotropic: every coordinate at the total sensitivity (a scalar max_norm ignores it)
-            noise_stage = noise(noise_multiplier=self.noise_multiplier, key=key, allocation="isotropic")
+        mode = self.parts.clip_mode
+        noise_stage = self.parts.mechanism.noise_stage(self, key)
         clip_args: dict[str, Any] = dict(normalize_by=self.batch_size, batch_argnums=tuple(batch_argnums),
                                          clip_backend=self.clip_backend, model=model)
         if microbatch_size is not None:
             clip_args["microbatch_size"] = microbatch_size  # validated by clipped_grad
-        kw = self.clipping_kwargs
-        if self.clipping_mode == "adaptive":
-            if not isinstance(count_key, RngKey):
-                raise InputValueError(
-                    "DPPlan(clipping_mode='adaptive').pipeline needs count_key=key(...): the key of the clipped "
-                    "count's noise (the same on every rank; not the noise key, not the sampler key)."
-                )
-            # the count key is bound here: augmult's own keyword `key` is the augmentation key
-            factory: Callable[..., Any] = functools.partial(adaptive_clip, key=count_key)
-            clip_args.update(initial_clipping_norm=self.clipping_norm,
-                             count_noise_multiplier=kw["count_noise_multiplier"],
-                             target_quantile=kw["target_quantile"], learning_rate=kw["learning_rate"],
-                             expected_batch_size=self.batch_size)
-        elif count_key is not None:
+        if mode.takes_count_key and not isinstance(count_key, RngKey):
             raise InputValueError(
-                f"DPPlan.pipeline(count_key=...) applies to clipping_mode='adaptive' only; this plan's clipping_mode is "
+                f"DPPlan(clipping_mode={mode.name!r}).pipeline needs count_key=key(...): the key of the clipped "
+                "count's noise (the same on every rank; not the noise key, not the sampler key)."
+            )
+        if not mode.takes_count_key and count_key is not None:
+            takes = " or ".join(repr(m.name) for m in CLIP_MODES.parts() if m.takes_count_key)
+            raise InputValueError(
+                f"DPPlan.pipeline(count_key=...) applies to clipping_mode={takes} only; this plan's clipping_mode is "
                 f"{self.clipping_mode!r}. Leave count_key out."
             )
-        elif self.clipping_mode == "auto":
-            factory = auto_clip
-            clip_args.update(clipping_norm=self.clipping_norm, gamma=kw["gamma"])
-        else:
-            factory = clip
-            clip_args["clipping_norm"] = self.clipping_norm
+        factory = mode.stage_factory(count_key)
+        clip_args.update(mode.clip_args(self))
         if record_loss and self.augmult > 1:
             raise InputValueError(
                 f"DPPlan(augmult={self.augmult}).pipeline(record_loss=True) is not supported: each example's loss is "
@@ -536,11 +418,10 @@ class DPPlan:
         elif augment is not None:
             raise InputValueError("DPPlan.pipeline(augment=...) needs a plan with augmult=K >= 2 (the copies per example).")
         elif record_loss:
-            clip_stage = _loss_recording(factory, loss_fn, clip_args, count_key)
+            clip_stage = loss_recording(factory, mode.grad_maker(count_key), loss_fn, clip_args)
         else:
             clip_stage = factory(loss_fn, **clip_args)
-        if self.clipping_mode == "adaptive":
-            clip_stage = _synced_counts(clip_stage)
+        clip_stage = mode.finish(clip_stage)
         return named_chain(
             ("clip", clip_stage),
             ("psum", psum()),
@@ -559,8 +440,8 @@ class DPPlan:
         """
         from opake_fx.padding import geometric_buckets
 
-        top = self.max_batch_size if self.sampling == "truncated_poisson" and self.max_batch_size else self.dataset_size
-        return geometric_buckets(float(self.batch_size), up_to=int(top), growth=growth)
+        return geometric_buckets(float(self.batch_size), up_to=int(self.parts.sampling.largest_batch(self)),
+                                 growth=growth)
 
     def compiled_step(self, loss_fn: Callable[..., Any], optimizer: Any, *, key: RngKey, mode: str | None = None,
                       buckets: Sequence[int] | None | str = "auto", **pipeline_kwargs: Any) -> Any:
@@ -590,7 +471,7 @@ class DPPlan:
 
         For DP-FTRL plans the cost differs from step to step: use :meth:`step_cost_at`.
         """
-        if self.mechanism != "gaussian":
+        if not self.parts.mechanism.independent_steps:
             raise InputValueError(
                 f"DPPlan.step_cost: a {self.mechanism} plan's cost differs from step to step; use "
                 "plan.step_cost_at(step) (what the accountant charges at that step)."
@@ -614,13 +495,13 @@ class DPPlan:
             from opake_fx.accounting import nonprivate
 
             return nonprivate()
-        if self.sampling == "cyclic_poisson":
-            from opake_fx.accounting import identity
-
-            return self._opportunity(self.noise_multiplier) if t % self.bands == 0 else identity()
         if not self.participation.amplified:
             return self._step_increments[t]
-        return self._step(self.noise_multiplier)
+        if not self.parts.sampling.has_opportunity(self, t):
+            from opake_fx.accounting import identity
+
+            return identity()
+        return self._opportunity(self.noise_multiplier)
 
     @property
     def sensitivity(self) -> float:
@@ -647,10 +528,7 @@ class DPPlan:
         Its stationary mean batch is ``N p / (1 + (min_sep - 1) p)``; ``p`` is solved so
         that this is ``batch_size``.
         """
-        if self.sampling != "b_min_sep":
-            raise InputValueError("DPPlan.participation_rate: only a sampling='b_min_sep' plan has one.")
-        b = self.batch_size
-        return min(1.0, b / (self.dataset_size - (self.min_sep - 1) * b))
+        return self.parts.sampling.join_rate(self)
 
     @property
     def participation(self) -> Participation:
@@ -665,9 +543,7 @@ class DPPlan:
             ...        sampling="b_min_sep", min_sep=10).participation
             Participation(steps=60, min_sep=10, max_participations=6, amplified=False)
         """
-        if self.sampling in ("b_min_sep", "balls_in_bins"):
-            return Participation(self.steps, self.min_sep, -(-self.steps // self.min_sep), amplified=False)
-        return Participation(self.steps, self.bands or 1, 1, amplified=True)
+        return self.parts.sampling.participation(self)
 
     @functools.cached_property
     def strategy(self) -> Any:
@@ -678,16 +554,7 @@ class DPPlan:
         optimised for the plan's :attr:`participation`. Computed on first use and kept (a
         cache of a function of the plan's fields: outside equality and ``to_dict``).
         """
-        if self.mechanism == "gaussian":
-            raise InputValueError("DPPlan.strategy: a mechanism='gaussian' plan has no DP-FTRL strategy.")
-        import opake_fx.dpftrl as mf
-
-        p = self.participation
-        if self.mechanism == "band_mf":
-            return mf.band_mf_strategy(self.steps, self.bands)
-        if self.mechanism == "bsr":
-            return mf.bsr_strategy(self.steps, self.bands)
-        return mf.blt_strategy(self.steps, min_sep=p.min_sep, max_participations=p.max_participations)
+        return self.parts.mechanism.strategy(self)
 
     def accountant(self) -> Any:
         """An :class:`~opake_fx.accounting.Accountant` with the plan's budget.
@@ -731,7 +598,7 @@ class DPPlan:
             raise InputValueError(f"DPPlan.epsilon: the plan has {self.steps} steps; got steps={n}.")
         if self.noise_multiplier == 0:
             return math.inf if n > 0 else 0.0
-        return self._run(self.noise_multiplier, n).epsilon_at(delta, accountant=self.accountant_kind)
+        return self.run_cost(self.noise_multiplier, n).epsilon_at(delta, accountant=self.accountant_kind)
 
     def spent_after(self, steps: int) -> Any:
         """What an accountant charged ``step_cost_at(t)`` for ``t < steps`` has spent: a :class:`DpProcess`.
@@ -758,7 +625,7 @@ class DPPlan:
             return nonprivate()
         if not self.participation.amplified:
             return compose(*self._step_increments[:n])
-        return self._run(self.noise_multiplier, n)
+        return self.run_cost(self.noise_multiplier, n)
 
     def save_checkpoint(self, path: Any, *, params: Any, state: Any, sampler: Any = None, accountant: Any = None,
                         **extra: Any) -> int:
@@ -806,7 +673,7 @@ class DPPlan:
         """
         from opake_fx.serialization.runs import save_run
 
-        return save_run(path, self, params=params, state=state, sampler=_shard_sampler(sampler),
+        return save_run(path, self, params=params, state=state, sampler=shard_sampler(sampler),
                         accountant=accountant, **extra)
 
     def load_checkpoint(self, path: Any, *, params: Any, state: Any, sampler: Any = None, accountant: Any = None,
@@ -852,10 +719,10 @@ class DPPlan:
         """
         from opake_fx.serialization.runs import load_run
 
-        out = load_run(path, self, params=params, state=state, sampler=_shard_sampler(sampler), accountant=accountant,
+        out = load_run(path, self, params=params, state=state, sampler=shard_sampler(sampler), accountant=accountant,
                        check_ranks=check_ranks, **extra)
-        if isinstance(sampler, _Offset):
-            out["sampler"] = _Offset(out["sampler"], sampler.start)
+        if isinstance(sampler, OffsetSampler):
+            out["sampler"] = OffsetSampler(out["sampler"], sampler.start)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -872,114 +739,41 @@ class DPPlan:
         d["clipping_kwargs"] = dict(self.clipping_kwargs or {})
         return d
 
+    def run_cost(self, noise_multiplier: float, steps: int) -> Any:
+        """The :class:`~opake_fx.accounting.DpProcess` of the first ``steps`` steps at ``noise_multiplier``.
+
+        What calibration searches over and :meth:`epsilon` measures: for an amplified
+        scheme, the sampling part's amplification of the mechanism's opportunity, once per
+        opportunity; otherwise the mechanism's whole run (``steps == self.steps``) or the
+        composition of its first ``steps`` increments (the plan's own multiplier only).
+
+        Example:
+            >>> plan = DPPlan(dataset_size=100, batch_size=10, steps=5, noise_multiplier=1.0, delta=1e-5)
+            >>> plan.run_cost(1.0, 5) == plan.step_cost * 5
+            True
+        """
+        nm, n = noise_multiplier, steps
+        if self.participation.amplified:
+            return self._opportunity(nm) * self.parts.sampling.opportunities(self, n)
+        if n == self.steps:  # the whole run: one Gaussian mechanism over the pattern
+            return self.parts.mechanism.whole_run(self, nm)
+        from opake_fx.accounting import compose, identity
+
+        if nm != self.noise_multiplier:
+            raise InputValueError("DPPlan: prefix accounting is for the plan's own noise multiplier.")
+        return compose(*self._step_increments[:n]) if n > 0 else identity()  # one call: linear, not quadratic
+
     # --- private -----------------------------------------------------------------------
 
-    def _run(self, nm: float, n: int) -> Any:
-        """The DpProcess of the first ``n`` steps at noise multiplier ``nm``."""
-        if self.sampling == "cyclic_poisson":
-            return self._opportunity(nm) * -(-n // self.bands)  # ceil(n / bands) opportunities
-        if not self.participation.amplified:
-            import opake_fx.dpftrl.accounting as mf_acc
-
-            if n == self.steps:  # the whole run: one Gaussian mechanism over the pattern
-                p = self.participation
-                return mf_acc.mf_gaussian(nm, self.strategy, p.min_sep, p.max_participations, n_steps=p.steps)
-            from opake_fx.accounting import compose, identity
-
-            if nm != self.noise_multiplier:
-                raise InputValueError("DPPlan: prefix accounting is for the plan's own noise multiplier.")
-            return compose(*self._step_increments[:n]) if n > 0 else identity()  # one call: linear, not quadratic
-        return self._step(nm) * n
-
     def _opportunity(self, nm: float) -> Any:
-        import opake_fx.dpftrl.accounting as mf_acc
-
-        # one Poisson-subsampled Gaussian per opportunity; the run is ceil(steps / bands) of them; the
-        # noise is scaled to the sensitivity under the plan's participation, which the accounting reads too
-        p = self.participation
-        sens = self.strategy.sensitivity(p.min_sep, p.max_participations, n=p.steps)
-        steps = mf_acc.poisson_steps(nm, self.strategy, self.group_rate, partitions=self.bands, noise_sensitivity=sens)
-        return steps[0]
+        """One amplified opportunity: the sampling part's subsampling of the mechanism's release."""
+        parts = self.parts
+        return parts.sampling.amplify(self, parts.mechanism.opportunity(self, nm))
 
     @functools.cached_property
     def _step_increments(self) -> list[Any]:
         """Per-step costs of a pattern-accounted (b-min-sep / balls-in-bins) plan, built once."""
-        import opake_fx.dpftrl.accounting as mf_acc
-
-        p = self.participation
-        return mf_acc.mf_gaussian_steps(self.noise_multiplier, self.strategy, p.min_sep, p.max_participations,
-                                        n_steps=p.steps)
-
-    def _resolve_min_sep(self, n: int) -> int | None:
-        if self.sampling in ("b_min_sep", "balls_in_bins"):
-            if self.min_sep is None:
-                raise InputValueError(
-                    f"DPPlan(sampling={self.sampling!r}) needs min_sep: the fewest steps between two participations "
-                    "of one example (for balls_in_bins: the number of bins, dataset_size / batch_size)."
-                )
-            return check.integer(self.min_sep, "min_sep", "DPPlan", minimum=1)
-        if self.min_sep is not None:
-            raise InputValueError(
-                f"DPPlan: min_sep applies to sampling='b_min_sep' or 'balls_in_bins' only; sampling={self.sampling!r}."
-            )
-        return None
-
-    def _check_min_sep(self, n: int, b: float, steps: int, min_sep: int) -> None:
-        if self.sampling == "balls_in_bins":
-            if min_sep > steps:
-                raise InputValueError(
-                    f"DPPlan: min_sep={min_sep} bins exceed steps={steps}: the examples of the unused bins would never "
-                    "be seen. Use at most `steps` bins."
-                )
-            if not math.isclose(b, n / min_sep, rel_tol=1e-9):
-                raise InputValueError(
-                    f"DPPlan: balls_in_bins with min_sep={min_sep} bins has expected batch size dataset_size / min_sep "
-                    f"= {n / min_sep}, not batch_size={b}; leave batch_size out (it is derived) or change min_sep."
-                )
-        elif b * min_sep > n:
-            raise InputValueError(
-                f"DPPlan: batch_size * min_sep = {b * min_sep} exceeds dataset_size={n}: with each example resting "
-                f"min_sep - 1 = {min_sep - 1} steps after it joins, the expected batch cannot reach {b}. Use a smaller "
-                "min_sep or batch."
-            )
-
-    def _check_clipping_mode(self, c: float | PerGroup) -> None:
-        mode = self.clipping_mode
-        if mode != "fixed" and isinstance(c, PerGroup):
-            raise InputValueError(
-                f"DPPlan: clipping_mode={mode!r} takes one clipping_norm, not per-group norms ("
-                + ("AUTO-S scales every gradient to one norm" if mode == "auto" else
-                   "adaptive clipping tracks one norm") + "). Use clipping_mode='fixed' for per-group clipping, or one "
-                "float clipping_norm."
-            )
-        if mode != "adaptive":
-            return
-        if self.mechanism != "gaussian":
-            raise InputValueError(
-                f"DPPlan: clipping_mode='adaptive' needs mechanism='gaussian'; with mechanism={self.mechanism!r} the "
-                "correlated DP-FTRL noise is scaled to one fixed sensitivity for the whole run, and the plan has no "
-                "accounting for a noised count released next to it. Use clipping_mode='fixed' or 'auto' with DP-FTRL, "
-                "or mechanism='gaussian' with adaptive clipping."
-            )
-        if self.clipping_kwargs["count_noise_multiplier"] == 0 and not (
-            self.target_epsilon is None and self.noise_multiplier is not None and self.noise_multiplier == 0
-        ):
-            raise InputValueError(
-                "DPPlan: clipping_mode='adaptive' with clipping_kwargs['count_noise_multiplier']=0 releases the exact "
-                "clipped count, which is not private. Give count_noise_multiplier > 0 (Andrew et al. suggest "
-                "batch_size / 20, the default), or noise_multiplier=0 for a non-private baseline."
-            )
-
-    def _step(self, nm: float) -> Any:
-        import opake_fx.dpsgd.accounting as dpsgd_acc
-
-        if self.clipping_mode == "adaptive":  # the gradient and the noised clipped count: one Gaussian (Andrew et al.)
-            g = dpsgd_acc.adaptive_clipping_gaussian(nm, self.clipping_kwargs["count_noise_multiplier"])
-        else:
-            g = dpsgd_acc.gaussian(nm)
-        if self.sampling == "truncated_poisson":
-            return dpsgd_acc.truncated_poisson(g, self.sample_rate, self.dataset_size, self.max_batch_size)
-        return dpsgd_acc.poisson(g, self.sample_rate)
+        return self.parts.mechanism.step_increments(self)
 
     def _need_delta(self, where: str) -> float:
         if self.delta is None:
@@ -1011,26 +805,15 @@ class DPPlan:
         # come out up to ~1e-5 (relative) above the one-shot composition calibration measures
         # (both are upper bounds), and must not refuse the plan's own last step.
         budget = acc.epsilon_budget(eps * (1.0 - _RUNNING_SLACK), delta, accountant=self.accountant_kind)
-        if self.clipping_mode == "adaptive":
-            # However much gradient noise, the count alone costs a Gaussian of multiplier 2 * count_noise_multiplier.
-            sb = self.clipping_kwargs["count_noise_multiplier"]
-            count_only = dataclasses.replace(self, clipping_mode="fixed", clipping_kwargs=None,
-                                             noise_multiplier=2.0 * sb, target_epsilon=None)
-            if not budget.is_met_by(count_only._run(2.0 * sb, self.steps)):
-                raise InputValueError(
-                    f"DPPlan: clipping_kwargs['count_noise_multiplier']={sb:g} is too small for target_epsilon={eps} "
-                    f"at delta={delta}: the noised clipped count alone spends more than the budget over {self.steps} "
-                    "steps, whatever the gradient noise. Give a larger count_noise_multiplier (Andrew et al. suggest "
-                    "batch_size / 20) or a larger target_epsilon."
-                )
+        self.parts.clip_mode.check_budget(self, budget)
         if nm is not None:  # e.g. rebuilt from to_dict(): check instead of recalibrating
-            if nm == 0 or not budget.is_met_by(self._run(nm, self.steps)):
+            if nm == 0 or not budget.is_met_by(self.run_cost(nm, self.steps)):
                 raise InputValueError(
                     f"DPPlan: noise_multiplier={nm} does not meet target_epsilon={eps} at delta={delta} over "
                     f"{self.steps} steps at sample rate {self.sample_rate}. Leave noise_multiplier out to calibrate it."
                 )
             return nm
-        return float(acc.calibrate(budget, lambda s: self._run(s, self.steps)).param)
+        return float(acc.calibrate(budget, lambda s: self.run_cost(s, self.steps)).param)
 
 
 # Relative room between the one-shot composition of a whole run and the accountant's running
@@ -1038,304 +821,18 @@ class DPPlan:
 _RUNNING_SLACK = 1e-4
 
 
-def regex_norms(norms: Any, where: str, hint: str = "") -> tuple[dict[str, re.Pattern[str]], dict[str, float]]:
-    """Validates per-group clip norms given as ``{regex: C_g, ..., "fallback": C}``.
-
-    Returns the compiled regexes (``"fallback"`` excluded) and the norms, in the dict's
-    order. The one check of this form, for :func:`per_group_by_regex` and the trainer's
-    ``TrainingArguments(clipping_norm={...})``.
-
-    Raises:
-        InputTypeError: ``norms`` is not a dict, or a key is not a string.
-        InputValueError: an empty dict, a norm that is not finite and > 0 (``hint`` is
-            appended), a key that is not a valid regular expression.
-
-    Example:
-        >>> rx, values = regex_norms({"attn": 1.0, "fallback": 2.0}, "example")
-        >>> list(rx), values
-        (['attn'], {'attn': 1.0, 'fallback': 2.0})
-    """
-    if not isinstance(norms, Mapping):
-        raise InputTypeError(f"{where}: per-group norms must be a dict of regex -> norm (with 'fallback'); got "
-                             f"{type(norms).__name__}.")
-    if not norms:
-        raise InputValueError(f"{where}: clipping_norm={{}} has no group; give {{regex: norm, ..., 'fallback': norm}} or one float.")
-    compiled: dict[str, re.Pattern[str]] = {}
-    values: dict[str, float] = {}
-    for pattern, norm in norms.items():
-        if not isinstance(pattern, str):
-            raise InputTypeError(f"{where}: clipping_norm's keys are parameter-name regexes (strings); got {pattern!r}.")
-        values[pattern] = check.positive(norm, f"clipping_norm[{pattern!r}]", where, hint)
-        if pattern != "fallback":
-            try:
-                compiled[pattern] = re.compile(pattern)
-            except re.error as err:
-                raise InputValueError(f"{where}: clipping_norm key {pattern!r} is not a valid regular expression ({err}).") from None
-    return compiled, values
-
-
-def per_group_by_regex(params: Any, names: Sequence[str], norms: Mapping[str, float]) -> PerGroup:
-    """Per-group clip norms from parameter-name regexes: ``{regex: C_g, ..., "fallback": C}``.
-
-    Each parameter (leaf ``i`` of ``params``, named ``names[i]``, e.g. ``fmodel.param_names``
-    of :func:`~opake_fx.functional.make_functional`) goes to the FIRST regex, in the
-    dict's order, that ``re.search``-es its name, else to ``"fallback"``. The groups are
-    named by their regex (and ``"fallback"``); the result is the
-    :class:`~opake_fx.types.PerGroup` of :func:`opake_fx.dpsgd.clipping.per_group`.
-
-    Args:
-        params: the parameter pytree the clip stage is given (its leaves in ``names`` order).
-        names: one name per leaf.
-        norms: regex -> clip norm (finite, > 0), and optionally ``"fallback"`` -> norm.
-
-    Raises:
-        InputValueError: an invalid regex or norm; a regex that takes no parameter (it
-            matches none, or only parameters an earlier regex took); a parameter that no
-            regex matches when there is no ``"fallback"``.
-
-    Privacy: none by itself; a plan clipping to these groups has total sensitivity
-    ``sqrt(sum_g C_g**2)`` over the groups that have parameters (an unused ``"fallback"``
-    does not count).
-
-    Example:
-        >>> import torch
-        >>> pg = per_group_by_regex((torch.ones(2), torch.ones(1)), ["attn.weight", "head.bias"],
-        ...                         {"attn": 3.0, "fallback": 4.0})
-        >>> pg.for_path((0,)), pg.for_path((1,)), pg.effective
-        (3.0, 4.0, 5.0)
-    """
-    from opake_fx.dpsgd.clipping import per_group
-
-    where = "clipping_norm"
-    compiled, values = regex_norms(norms, "per-group clipping", "Each group's clip norm is a finite number > 0.")
-    names = [str(n) for n in names]
-    owner: dict[str, str] = {}
-    for name in names:
-        hit = next((p for p, rx in compiled.items() if rx.search(name)), None)
-        if hit is None and "fallback" in values:
-            hit = "fallback"
-        if hit is not None:
-            owner[name] = hit
-    unmatched = [n for n in names if n not in owner]
-    if unmatched:
-        raise InputValueError(
-            f"{where}: trainable parameter(s) {unmatched[:5]}{' ...' if len(unmatched) > 5 else ''} match no regex "
-            f"of {sorted(compiled)} and there is no 'fallback' entry. Add \"fallback\": <norm>, or a regex that "
-            "matches them."
-        )
-    taken = set(owner.values())
-    for pattern, rx in compiled.items():
-        if pattern in taken:
-            continue
-        matched = [n for n in names if rx.search(n)]
-        why = (f"matches no trainable parameter (they are {names[:6]}{' ...' if len(names) > 6 else ''})"
-               if not matched else f"matches only parameters an earlier regex took ({matched[:3]})")
-        raise InputValueError(
-            f"{where}: the regex {pattern!r} {why}. Fix or remove it (regexes are re.search-ed against the trainable "
-            "parameter names, first match in the dict's order wins)."
-        )
-    group_of = {p: (p if p not in ("params", "names") else f"re:{p}") for p in values}  # per_group's own keywords
-    groups = {group_of[p]: (values[p], (lambda q: lambda name, leaf: owner.get(name) == q)(p))
-              for p in values if p in taken}
-    return per_group(params, names=names, **groups)
-
-
-def _clipping_norm(c: Any) -> float | PerGroup:
-    """The plan's clipping_norm: a finite float > 0, or a PerGroup (also from its ``to_dict`` data)."""
-    if isinstance(c, Mapping):
-        if set(c) != {"groups", "values"}:
-            raise InputValueError(
-                "DPPlan: clipping_norm as a dict must be the plain data of per-group norms, {'groups': [[path, "
-                f"group], ...], 'values': {{group: norm}}}} (what to_dict writes); got keys {sorted(map(str, c))}. For "
-                "parameter-name regex -> norm, build the PerGroup with opake_fx.plan.per_group_by_regex(params, "
-                "names, norms) (DPTrainer does it from TrainingArguments.clipping_norm)."
-            )
-        try:
-            c = PerGroup({tuple(path): group for path, group in c["groups"]}, dict(c["values"]))
-        except (TypeError, ValueError) as err:
-            raise InputValueError(f"DPPlan: clipping_norm's per-group data is malformed ({err}).") from None
-    if isinstance(c, PerGroup):
-        if not c.groups:
-            raise InputValueError("DPPlan: a per-group clipping_norm must assign at least one parameter leaf.")
-        bad = {g: v for g, v in c.values.items() if not (v > 0 and math.isfinite(v))}
-        if bad:
-            raise InputValueError(f"DPPlan: per-group clip norms must be finite and > 0; got {bad}.")
-        return c
-    v = check.real(c, "clipping_norm", "DPPlan", "the per-example clip norm, e.g. 1.0, or a PerGroup")
-    if not (v > 0 and math.isfinite(v)):
-        raise InputValueError(f"DPPlan: clipping_norm must be finite and > 0; got {v}.")
-    return v
-
-
-def check_clipping_kwargs(mode: str, given: Any, where: str) -> Mapping[str, Any]:
-    """``clipping_kwargs`` for ``mode`` (``None`` is ``{}``): a dict whose keys the mode takes
-    (:data:`CLIPPING_KWARGS`); the values are checked where the plan fills in the defaults.
-
-    Raises:
-        InputTypeError: not a dict.
-        InputValueError: a key ``mode`` does not take.
-
-    Example:
-        >>> check_clipping_kwargs("auto", {"gamma": 0.1}, "example")
-        {'gamma': 0.1}
-    """
-    given = {} if given is None else given
-    if not isinstance(given, Mapping):
-        raise InputTypeError(f"{where}: clipping_kwargs must be a dict (or None); got {type(given).__name__}.")
-    allowed = CLIPPING_KWARGS[mode]
-    unknown = sorted(str(k) for k in set(given) - set(allowed))
-    if unknown:
-        takes = sorted(allowed) if allowed else "none"
-        raise InputValueError(f"{where}: clipping_kwargs {unknown} do not apply to clipping_mode={mode!r}, which takes {takes}.")
-    return given
-
-
-def _clipping_kwargs(mode: str, given: Any, batch_size: float) -> dict[str, float]:
-    """The clipping mode's options, checked and filled in with their defaults (sorted by name)."""
-    given = check_clipping_kwargs(mode, given, "DPPlan")
-    out = {**CLIPPING_KWARGS[mode], **given}
-    where = f"DPPlan(clipping_mode={mode!r})"
-    if mode == "auto":
-        out["gamma"] = check.non_negative(out["gamma"], "clipping_kwargs['gamma']", where,
-                                          "AUTO-S's stability constant (Bu et al. use 0.01).")
-    elif mode == "adaptive":
-        if out["count_noise_multiplier"] is None:
-            out["count_noise_multiplier"] = batch_size / 20.0
-        out["target_quantile"] = check.interval(out["target_quantile"], "clipping_kwargs['target_quantile']", where,
-                                                0.0, 1.0, low_open=True, high_open=True,
-                                                hint="A fraction, e.g. 0.5 for the median gradient norm.")
-        out["learning_rate"] = check.positive(out["learning_rate"], "clipping_kwargs['learning_rate']", where,
-                                              "The step of the geometric norm update; Andrew et al. use 0.2.")
-        out["count_noise_multiplier"] = check.non_negative(
-            out["count_noise_multiplier"], "clipping_kwargs['count_noise_multiplier']", where,
-            "The std of the clipped count's noise, in counts (default batch_size / 20).")
-    return dict(sorted(out.items()))
-
-
-@dataclass(frozen=True)
-class RecordedLossState:
-    """The state of a clip stage built by ``DPPlan.pipeline(..., record_loss=True)``.
-
-    Attributes:
-        clip_state: the clipping function's own state (``FixedClipState``,
-            ``AdaptiveClipState``), as the plain stage keeps it.
-        loss_sum: 0-d float64 tensor, the sum of the last step's per-example losses over
-            its real examples (padding rows of a compiled step left out), from the forward
-            pass the clipping itself ran: at the parameters the step was computed at.
-        loss_count: 0-d float64 tensor, the number of those examples (0 for an empty batch).
-
-    **Not private**: a training loss of the batch's examples, on this rank only (sum the
-    pairs over ranks for the global mean). Read on the host (``float``) only when logging:
-    the step itself never reads it.
-    """
-
-    clip_state: Any
-    loss_sum: Any
-    loss_count: Any
-
-
-def _loss_recording(factory: Callable[..., Any], loss_fn: Callable[..., Any], clip_args: dict[str, Any],
-                    count_key: RngKey | None) -> Any:
-    """The clip stage of ``factory`` whose state also records the step's per-example losses.
-
-    The clipping function is built with ``has_aux=True`` and a loss returning its own values
-    (detached) as the per-example aux, which the clipping concatenates over microbatches
-    without reading anything on the host; the stage strips the aux from its output.
-    """
-    import optree
-    import torch
-
-    from opake_fx.dpsgd.clipping import (adaptive_clip, adaptive_clipped_grad, as_stage, auto_clip, auto_clipped_grad,
-                                         clip, clipped_grad)
-    from opake_fx.pytree import NAMESPACE
-    from opake_fx.transforms import Transform
-
-    makers = {clip: clipped_grad, adaptive_clip: adaptive_clipped_grad, auto_clip: auto_clipped_grad}
-    inner_factory = factory.func if isinstance(factory, functools.partial) else factory
-    maker = makers[inner_factory]  # (a stage kind without a recording form is a KeyError, never another mode)
-    if inner_factory is adaptive_clip:
-        maker = functools.partial(maker, key=count_key)
-    # the privacy statement of the stage this one stands for (built, not run: it draws nothing)
-    privacy = factory(loss_fn, **clip_args).privacy
-
-    def with_values(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        losses = loss_fn(*args, **kwargs)
-        return losses, losses.detach()
-
-    grad_fn, clip_state = maker(with_values, argnums=0, has_aux=True, **clip_args)
-
-    def recording(params: Any, *batch: Any, state: RecordedLossState, example_mask: Any = None) -> tuple[Any, Any]:
-        masked = {} if example_mask is None else {"example_mask": example_mask}
-        (out, values), inner = grad_fn(params, *batch, state=state.clip_state, **masked)
-        if values is None:  # an empty batch
-            total, count = torch.zeros_like(state.loss_sum), torch.zeros_like(state.loss_count)
-        else:
-            values = values.detach().to(torch.float64)
-            if example_mask is None:
-                total, count = values.sum(), torch.tensor(float(values.shape[0]), dtype=torch.float64, device=values.device)
-            else:
-                real = example_mask.to(values.device)
-                total = torch.where(real, values, torch.zeros((), dtype=values.dtype, device=values.device)).sum()
-                count = real.to(torch.float64).sum()
-        return out, RecordedLossState(inner, total, count)
-
-    stage = as_stage(recording, None, batch_argnums=clip_args["batch_argnums"], privacy=privacy)
-
-    def init(params: Any) -> RecordedLossState:
-        leaves = optree.tree_leaves(params, namespace=NAMESPACE) if params is not None else []
-        device = leaves[0].device if leaves and isinstance(leaves[0], torch.Tensor) else None
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        return RecordedLossState(clip_state, zero, zero.clone())
-
-    return Transform(init, stage.update, stage.privacy)
-
-
-def _synced_counts(stage: Any) -> Any:
-    """An adaptive clip stage that ``sync``-s its state after each step (the count summed over ranks).
-
-    In one process ``sync`` is the identity. The state may be wrapped (``augmult``'s
-    ``AugmultState``, ``ClipStageState``): the adaptive state inside is synced.
-    """
-    from opake_fx.distributed import sync
-    from opake_fx.transforms import Transform
-
-    def synced(state: Any) -> Any:
-        inner = getattr(state, "clip_state", None)
-        if inner is not None and dataclasses.is_dataclass(state):
-            return dataclasses.replace(state, clip_state=synced(inner))
-        return sync(state)
-
-    def update(x: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
-        out, new_state = stage.update(x, state, params, **extra)
-        return out, synced(new_state)
-
-    return Transform(stage.init, update, stage.privacy)
-
-
-class _Offset:
-    """A batch sampler over a shard ``range(start, stop)``, yielding indices of the whole dataset."""
-
-    def __init__(self, inner: Any, start: int) -> None:
-        self.inner, self.start = inner, start
-
-    def __iter__(self) -> Any:
-        for batch in self.inner:
-            yield [self.start + i for i in batch]
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def batch(self, step: int) -> list[int]:
-        """Step ``step``'s batch, as indices of the whole dataset."""
-        return [self.start + i for i in self.inner.batch(step)]
-
-    def __getattr__(self, name: str) -> Any:  # state_dict, key, n_steps, ... of the shard's sampler
-        return getattr(self.inner, name)
-
-
-def _shard_sampler(sampler: Any) -> Any:
-    """The shard's own sampler of one :meth:`DPPlan.sampler` (which offsets it on ranks > 0)."""
-    return sampler.inner if isinstance(sampler, _Offset) else sampler
+def _used_field(value: Any, name: str, kind: str, part: Any, parts: Sequence[Any], flag: str,
+                needs: Callable[[], str], *, minimum: int) -> int | None:
+    """A plan field that only some parts use (``min_sep``, ``bands``, ``max_batch_size``): required
+    (and checked) when ``part`` uses it, refused when given to a part that does not."""
+    if getattr(part, flag):
+        if value is None:
+            raise InputValueError(needs())
+        return check.integer(value, name, "DPPlan", minimum=minimum)
+    if value is not None:
+        users = " or ".join(repr(p.name) for p in parts if getattr(p, flag))
+        raise InputValueError(f"DPPlan: {name} applies to {kind}={users} only; {kind}={part.name!r}.")
+    return None
 
 
 def _sampling(n: int, batch_size: Any, sample_rate: Any) -> tuple[float, float]:
