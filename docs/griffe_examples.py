@@ -23,3 +23,30 @@ class ExampleSections(griffe.Extension):
     def on_instance(self, *, obj: Any, **kwargs: Any) -> None:
         if obj.docstring is not None:
             obj.docstring.value = _HEADING.sub(r"\1Examples:", obj.docstring.value)
+
+
+class GeneratedFunctions(griffe.Extension):
+    """Documents module attributes that a factory builds at import (``clip = _stage_of(...)``)
+    from the imported function: its ``__signature__`` and ``__doc__``.
+
+    ``opake_fx.dpsgd.clipping.stage`` generates ``clip``, ``auto_clip`` and
+    ``adaptive_clip`` from their clipping functions, so the source holds calls, not
+    ``def``s; griffe's static reading would skip them. The site build only.
+    """
+
+    FACTORIES = frozenset({"_stage_of"})
+
+    def on_module_members(self, *, mod: Any, **kwargs: Any) -> None:
+        generated = [
+            name for name, member in mod.members.items()
+            if not member.is_alias and member.is_attribute and isinstance(member.value, griffe.ExprCall)
+            and str(member.value.function) in self.FACTORIES
+        ]
+        if not generated:
+            return
+        import sys
+
+        inspected = griffe.inspect(mod.path, filepath=mod.filepath, import_paths=sys.path,
+                                   extensions=griffe.load_extensions(ExampleSections))
+        for name in generated:
+            mod.set_member(name, inspected.members[name])
