@@ -1,4 +1,19 @@
-"""Checks shared by every Gaussian mechanism (DP-SGD's and DP-FTRL's): what may be noised."""
+"""Checks shared by every Gaussian mechanism (DP-SGD's and DP-FTRL's): what may be noised.
+
+The one home of the checks :mod:`opake_fx._gaussian` draws under: the noise key and step
+counter of a state, the noise multiplier, the input of a noise call (a clipped gradient,
+or a second-moment pair of them) and the state passed back in. Each check raises with
+the fix in its message; both mechanisms call the same check, so they refuse the same
+inputs with the same words.
+
+Privacy: these checks keep the guarantee the accountant assumes: noise is added once, to
+an input of bounded sensitivity, from a key no earlier step used.
+
+Example:
+    >>> from opake_fx.random import key
+    >>> check_noise_state(key(0), 3, "MyNoiseState")
+    3
+"""
 
 from __future__ import annotations
 
@@ -10,10 +25,13 @@ import torch
 
 from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError
 from opake_fx.random import RngKey
-from opake_fx.types import ClippedPytree, NoisedPytree
+from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup, SecondMomentClippingOutput
 
 MAX_STEPS = 2**64
 """Step counters stay below this: ``fold_in(key, step)`` gives a distinct key for every step in ``[0, 2**64)``."""
+
+SQUARED_STREAM_COUNTER = MAX_STEPS - 1
+"""``fold_in(key, this)`` roots the squared-gradient stream's keys; a paired release may not reach this step."""
 
 
 def check_noise_key(key: Any, what: str) -> None:
@@ -84,4 +102,69 @@ def check_clipped_input(x: Any, noise_multiplier: float, *, mechanism: str) -> N
             f"{mechanism} got a ClippedPytree with max_norm={x.max_norm} (clipping_norm=inf): its sensitivity "
             "is unbounded, so no amount of noise makes it private. Set a finite clipping_norm, or "
             "noise_multiplier=0 for a non-private run."
+        )
+
+
+def check_noise_call(x: Any, state: Any, state_type: type, noise_multiplier: float, *, mechanism: str) -> bool:
+    """Checks one call ``noise_fn(x, state)`` of a Gaussian mechanism; returns whether ``x`` is a pair.
+
+    ``x`` must be a :class:`~opake_fx.types.ClippedPytree` (:func:`check_clipped_input`)
+    or a :class:`~opake_fx.types.SecondMomentClippingOutput` (:func:`check_pair_input`),
+    and ``state`` the ``state_type`` the mechanism returned.
+
+    Example:
+        >>> import torch
+        >>> from opake_fx.random import key
+        >>> from opake_fx.dpsgd.noise import GaussianNoiseState
+        >>> check_noise_call(ClippedPytree((torch.zeros(2),), max_norm=1.0), GaussianNoiseState(key(0)),
+        ...                  GaussianNoiseState, 1.0, mechanism="gaussian_noise")
+        False
+        >>> check_noise_call(ClippedPytree((torch.zeros(2),), max_norm=1.0), None, GaussianNoiseState, 1.0,
+        ...                  mechanism="gaussian_noise")
+        Traceback (most recent call last):
+        ...
+        opake_fx.errors.InputTypeError: noise_fn needs the GaussianNoiseState it returned; got NoneType.
+    """
+    pair = isinstance(x, SecondMomentClippingOutput)
+    if pair:
+        check_pair_input(x, noise_multiplier, mechanism=mechanism)
+    else:
+        check_clipped_input(x, noise_multiplier, mechanism=mechanism)
+    if not isinstance(state, state_type):
+        raise InputTypeError(f"noise_fn needs the {state_type.__name__} it returned; got {type(state).__name__}.")
+    return pair
+
+
+def check_second_moment_share(share: Any) -> float:
+    """Validates the squared stream's share of the budget: a real number in ``(0, 1)``.
+
+    Example:
+        >>> check_second_moment_share(0.25)
+        0.25
+    """
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < float(share) < 1.0:
+        raise InputValueError(
+            f"second_moment_share must be a number in (0, 1), the share of the budget given to the squared-gradient "
+            f"stream; got {share!r}. The default 1/3 costs the gradient stream sqrt(3/2) times more noise."
+        )
+    return float(share)
+
+
+def check_pair_input(pair: SecondMomentClippingOutput, noise_multiplier: float, *, mechanism: str) -> None:
+    """Both streams must be un-noised, finite-sensitivity ``ClippedPytree`` with a scalar ``max_norm``."""
+    for name, stream in (("grads", pair.grads), ("squared_grads", pair.squared_grads)):
+        check_clipped_input(stream, noise_multiplier, mechanism=f"{mechanism} ({name} stream)")
+        if isinstance(stream.max_norm, PerGroup):
+            raise InputValueError(
+                f"{mechanism}: the second-moment pair needs a scalar max_norm on both streams; {name} has per-group "
+                "norms. Clip with one global clipping_norm for second_moment=True."
+            )
+
+
+def check_pair_step(step: int) -> None:
+    """A paired release may not reach the counter that roots the squared stream's keys."""
+    if step >= SQUARED_STREAM_COUNTER:
+        raise InputValueError(
+            f"step {step} is the counter reserved for the squared-gradient stream's key (2**64 - 1): a paired "
+            "release there would reuse a key. Start a new key."
         )

@@ -27,12 +27,11 @@ from typing import Any
 
 import torch
 
+from opake_fx._noise_input import MAX_STEPS
 from opake_fx.errors import InputValueError
 from opake_fx.random import RngKey, flat_tree_normal, fold_in
 
 __all__ = ["NoisePrefetcher", "PREFETCH_MIN_VALUES", "prefetch_by_default"]
-
-MAX_STEPS = 2**64  # fold_in(key, step) is distinct for every step below this
 
 PREFETCH_MIN_VALUES = 1 << 18
 """Below this many noise values a CPU draw takes less than a thread hand-off costs.

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
-from opake_fx.distributed import get_rank, is_distributed
+from opake_fx.distributed.collectives import get_rank, is_distributed
 from opake_fx.errors import InputValueError
 
 __all__ = ["secure_uniform", "secure_normal", "add_secure_gaussian", "snap_grid"]

@@ -15,14 +15,16 @@ or, as a chain: ``clip -> psum() -> noise -> optimizer``.
 * Collectives: :func:`all_reduce`, :func:`all_reduce_`, :func:`gather_for_metrics`.
 * Gradient aggregation: :func:`sum_gradients`, :func:`sum_gradients_`,
   :func:`reduce_pytree`, :func:`reduce_pytree_`, the chain stage :func:`psum`.
-* State sync: :func:`sync`, :func:`register_sync_type`, :func:`registered_sync_types`.
+* State sync: :func:`sync`, :func:`register_sync_type`, :func:`registered_sync_types`,
+  :func:`sync_fields`.
 * Sharding: :func:`local_shard`, :func:`shard_bounds`.
 
 Everything runs unchanged in a single process (``sync`` and ``psum`` are the identity
 there). Works with gloo on CPU and nccl on CUDA. See ``docs/distributed.md``.
 """
 
-from opake_fx.distributed._state import register_sync_type, registered_sync_types, sync
+from opake_fx.distributed import collectives
+from opake_fx.distributed._state import register_sync_type, registered_sync_types, sync, sync_fields
 from opake_fx.distributed.collectives import (
     REDUCE_OPS,
     all_reduce,
@@ -38,15 +40,8 @@ from opake_fx.distributed.metrics import gather_for_metrics
 from opake_fx.distributed.sharding import local_shard, shard_bounds
 from opake_fx.distributed.stage import psum
 
-__all__ = [
-    "is_distributed",
-    "get_rank",
-    "get_world_size",
-    "is_main_process",
-    "barrier",
-    "all_reduce",
-    "all_reduce_",
-    "REDUCE_OPS",
+# The core (ranks, barrier, all-reduce) is collectives' public API, listed once there.
+__all__ = collectives.__all__ + [
     "sum_gradients",
     "sum_gradients_",
     "reduce_pytree",
@@ -55,6 +50,7 @@ __all__ = [
     "sync",
     "register_sync_type",
     "registered_sync_types",
+    "sync_fields",
     "local_shard",
     "shard_bounds",
     "gather_for_metrics",

@@ -1,56 +1,57 @@
-"""Built-in sync functions for opake_fx's DP state objects.
+"""The sync functions of opake_fx's own DP state objects, for their types to register.
 
-Loaded lazily by :func:`opake_fx.distributed.sync` (importing the clipping, noise and
-sampling modules from ``opake_fx.distributed`` at import time would make a cycle as soon as
-any of them wants a distributed helper). Each function runs only when a process group is
-initialised, and issues the same collectives on every rank.
+Each state type registers its sync in the module that defines it, with the public
+:func:`~opake_fx.distributed.register_sync_type`: ``GaussianNoiseState`` in
+:mod:`opake_fx.dpsgd.noise` does ``register_sync_type(GaussianNoiseState,
+sync_gaussian_noise_state)``. This module imports none of those types (it reads their
+fields) and not the sync registry either (a state made of other states registers
+:func:`~opake_fx.distributed.sync_fields` instead), so the distributed layer never imports
+the layers above it. Each function runs only when a process group is initialised, and
+issues the same collectives on every rank.
+
+Privacy: the checked values (keys, steps, norms, sampling rates) are public; the sums
+(adaptive clipping's count, the clipping statistics) are what :func:`~opake_fx.distributed.sync`
+documents.
+
+Example:
+    >>> from opake_fx.dpsgd.noise import GaussianNoiseState
+    >>> from opake_fx.distributed import registered_sync_types
+    >>> GaussianNoiseState in registered_sync_types()  # registered where it is defined
+    True
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from opake_fx.distributed._checks import check_identical, fingerprint, gather_fields
-from opake_fx.distributed._state import is_marked_synced, mark_synced, register_builtin
 from opake_fx.distributed._backend import collective_device
 from opake_fx.distributed.collectives import all_reduce_
 from opake_fx.distributed.metrics import gather_for_metrics
 from opake_fx.errors import DistributedMismatchError, InputTypeError
 from opake_fx.pytree import tree_map
 
+T = TypeVar("T")
 
-def register_all() -> None:
-    """Registers every built-in sync function (user registrations take precedence)."""
-    from opake_fx.dpsgd.clipping.adaptive import AdaptiveClipState
-    from opake_fx.dpsgd.clipping.types import ClippedGradAux, ClippingStats, FixedClipState
-    from opake_fx.dpsgd.noise import GaussianNoiseState
-
-    register_builtin(FixedClipState, sync_fixed_clip_state)
-    register_builtin(AdaptiveClipState, sync_adaptive_clip_state)
-    register_builtin(GaussianNoiseState, sync_gaussian_noise_state)
-    register_builtin(ClippingStats, sync_clipping_stats)
-    register_builtin(ClippedGradAux, sync_clipped_grad_aux)
-    from opake_fx.dpsgd.clipping.stage import ClipStageState
-
-    register_builtin(ClipStageState, sync_clip_stage_state)
-    try:
-        from opake_fx.dpsgd.sampling import PoissonSampler, SequentialBatchSampler
-    except ImportError:  # pragma: no cover - samplers are optional at this layer
-        return
-    register_builtin(PoissonSampler, sync_poisson_sampler)
-    register_builtin(SequentialBatchSampler, sync_sequential_sampler)
+# Outputs of additive syncs (counts that are summed over ranks), by identity, so that a
+# second sync of the same object is the identity instead of summing the counts again.
+_ALREADY_SYNCED: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
 
-def sync_clip_stage_state(state: Any) -> Any:
-    """Syncs a clip stage's state field by field: the clipping state, then the stats (if any)."""
-    from opake_fx.distributed._state import sync
+def mark_synced(obj: T) -> T:
+    """Records ``obj`` (by identity) as the output of an additive sync."""
+    _ALREADY_SYNCED[id(obj)] = obj
+    return obj
 
-    inner = sync(state.clip_state)
-    stats = None if state.stats is None else sync(state.stats)
-    return replace(state, clip_state=inner, stats=stats)
+
+def is_marked_synced(obj: Any) -> bool:
+    """Whether ``obj`` is itself the output of an additive sync."""
+    return _ALREADY_SYNCED.get(id(obj)) is obj
 
 
 def sync_fixed_clip_state(state: Any) -> Any:
@@ -64,10 +65,13 @@ def sync_fixed_clip_state(state: Any) -> Any:
     return state
 
 
-def sync_adaptive_clip_state(state: Any) -> Any:
-    """Sums the local centred counts over ranks and recomputes the next clip norm."""
-    from opake_fx.dpsgd.clipping.adaptive import next_clipping_norm
+def sync_adaptive_clip_state(state: Any, *, next_norm: Callable[[Any, float], float]) -> Any:
+    """Sums the local centred counts over ranks and recomputes the next clip norm.
 
+    ``next_norm(state, centered_count)`` is adaptive clipping's norm update
+    (``opake_fx.dpsgd.clipping.adaptive.next_clipping_norm``); the state's module registers
+    ``functools.partial(sync_adaptive_clip_state, next_norm=next_clipping_norm)``.
+    """
     fields: list[tuple[str, Any]] = [
         ("already synced", is_marked_synced(state)),
         ("key", state.key),
@@ -95,7 +99,7 @@ def sync_adaptive_clip_state(state: Any) -> Any:
     all_reduce_(total, op="sum")
     centered = float(total.item())
     summed = replace(state, centered_count=centered)
-    return mark_synced(replace(summed, clipping_norm=next_clipping_norm(summed, centered)))
+    return mark_synced(replace(summed, clipping_norm=next_norm(summed, centered)))
 
 
 def sync_gaussian_noise_state(state: Any) -> Any:

@@ -8,16 +8,17 @@ Row ``t`` of ``C^{-1} Z`` comes from the strategy's streaming inverse
 state, never the whole ``Z``. With the same key every rank adds bit-identical noise,
 and a checkpointed state resumes the exact noise sequence.
 
-One Gaussian mechanism: with the identity strategy each step IS
-:func:`opake_fx.dpsgd.noise.add_gaussian_noise` (the draw and add that
+One Gaussian mechanism: the draws come from the library's one Gaussian home,
+:mod:`opake_fx._gaussian` (the checks from :mod:`opake_fx._noise_input`). With the identity
+strategy each step IS :func:`opake_fx._gaussian.noised_tree` (the draw and add that
 :func:`~opake_fx.dpsgd.noise.gaussian_noise` uses), so the output is bit-identical to
-DP-SGD's noise with the same key, step for step; other strategies feed the same
-``leaf + std * x`` with correlated draws ``x``.
+DP-SGD's noise with the same key, step for step; other strategies correlate the same
+keyed rows (:func:`opake_fx._gaussian.step_normals`) and add ``leaf + std * x``.
 
 The private second moment: a :class:`~opake_fx.types.SecondMomentClippingOutput` input
 is released as one Gaussian mechanism over both streams, as in DP-SGD (see
-:mod:`opake_fx.dpsgd.noise`): the squared stream gets its own correlated noise through
-the same strategy, from the key :func:`~opake_fx.dpsgd.noise.squared_stream_key`, and the
+:mod:`opake_fx._gaussian`): the squared stream gets its own correlated noise through
+the same strategy, from the key :func:`~opake_fx._gaussian.squared_stream_key`, and the
 stddevs are split so that the whitened pair has noise multiplier ``noise_multiplier``
 over the strategy's sensitivity: ``s_k = z * sens * D_k / sqrt(share_k)``. The
 accounting is that of the gradient alone (``mf_gaussian``), charged once.
@@ -37,24 +38,29 @@ from typing import Any
 
 import torch
 
-from opake_fx._noise_input import check_clipped_input, check_noise_key, check_noise_multiplier, check_noise_state
-from opake_fx.dpftrl.strategies._base import Strategy
-from opake_fx.dpftrl.strategies.banded import IdentityStrategy
-from opake_fx.dpsgd.noise import (
-    DEFAULT_SECOND_MOMENT_SHARE,
-    add_gaussian_noise,
-    check_pair_input,
+from opake_fx._noise_input import (
+    check_noise_call,
+    check_noise_key,
+    check_noise_multiplier,
+    check_noise_state,
     check_pair_step,
     check_second_moment_share,
+)
+from opake_fx.dpftrl.strategies._base import Strategy
+from opake_fx.dpftrl.strategies.banded import IdentityStrategy
+from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError, OperationError
+from opake_fx._gaussian import (
+    DEFAULT_SECOND_MOMENT_SHARE,
+    noised_tree,
     second_moment_stddevs,
     squared_stream_key,
+    step_normals,
 )
-from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError, OperationError
 from opake_fx.pytree import tree_flatten_with_paths
-from opake_fx.random import RngKey, flat_tree_normal, fold_in, tree_normal
+from opake_fx.random import RngKey
 from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.transforms import Transform
-from opake_fx.types import ClippedPytree, NoisedPytree, SecondMomentClippingOutput, SecondMomentNoiseOutput
+from opake_fx.types import ClippedPytree, NoisedPytree, SecondMomentNoiseOutput
 from opake_fx.distributed.agreement import AgreementCheck
 from opake_fx.typing import typechecked
 
@@ -183,13 +189,7 @@ def mf_gaussian_noise(
     )
 
     def noise_fn(clipped: Any, state: MfNoiseState) -> tuple[Any, MfNoiseState]:
-        pair = isinstance(clipped, SecondMomentClippingOutput)
-        if pair:
-            check_pair_input(clipped, noise_multiplier, mechanism="mf_gaussian_noise")
-        else:
-            check_clipped_input(clipped, noise_multiplier, mechanism="mf_gaussian_noise")
-        if not isinstance(state, MfNoiseState):
-            raise InputTypeError(f"noise_fn needs the MfNoiseState it returned; got {type(state).__name__}.")
+        pair = check_noise_call(clipped, state, MfNoiseState, noise_multiplier, mechanism="mf_gaussian_noise")
         first = clipped.grads if pair else clipped
         facts = [
             ("key", state.key),
@@ -238,9 +238,9 @@ def mf_gaussian_noise(
         """One stream's step ``t``: ``pytree + std * (C^{-1} Z)_t`` with ``Z``'s rows drawn from ``fold_in(key, s)``."""
         if std == 0.0:
             return pytree, buffers
-        paths, leaves, spec = tree_flatten_with_paths(pytree)
         if independent:
-            return spec.unflatten(add_gaussian_noise(leaves, fold_in(key, t), std, exact=exact)), buffers
+            return noised_tree(pytree, key, t, std, exact=exact), buffers
+        _, leaves, spec = tree_flatten_with_paths(pytree)
         like = _shapes_like(leaves, buffer_dtype)
         if inverse.memory > 0 and not buffers:
             if t > 0:
@@ -249,10 +249,8 @@ def mf_gaussian_noise(
                 )
             buffers = inverse.init(like)
 
-        def draw(s: int) -> list[torch.Tensor]:
-            if exact:
-                return list(tree_normal(fold_in(key, s), like, exact=True))
-            return flat_tree_normal(fold_in(key, s), like)[0]  # one generator per device/dtype
+        def draw(s: int) -> list[torch.Tensor]:  # row s of Z: step s's keyed normals
+            return step_normals(key, s, like, exact=exact)
 
         x, new_buffers = inverse.next(t, draw, buffers, inplace=inplace)
         return spec.unflatten([leaf + (std * xi).to(leaf.dtype) for leaf, xi in zip(leaves, x)]), new_buffers
@@ -290,17 +288,7 @@ def noise(
         >>> state.memory_bytes
         32
     """
-    noise_fn, state0 = mf_gaussian_noise(
-        strategy,
-        noise_multiplier=noise_multiplier,
-        key=key,
-        min_sep=min_sep,
-        max_participations=max_participations,
-        epochs=epochs,
-        n_steps=n_steps,
-        buffer_dtype=buffer_dtype,
-        second_moment_share=second_moment_share,
-    )
+    noise_fn, state0 = mf_gaussian_noise(**locals())  # the stage's arguments are the mechanism's (less inplace, exact)
     inverse = strategy.inverse_noise()
 
     def init(params: Any) -> MfNoiseState:

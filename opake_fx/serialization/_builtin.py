@@ -1,8 +1,9 @@
 """Serializers for the library's own state that needs more than its fields: keys, ``PerGroup``,
 samplers, clip states (configuration checked, not restored), ``Accountant``.
 
-Imported once, on the first use of the registry (it imports the samplers and the
-accounting, which must not be imported when ``opake_fx.serialization`` is).
+Registered in :mod:`opake_fx.serialization._registry` when this module is imported, which
+the package ``opake_fx.serialization`` does: every function of the package finds them,
+and the registry and :mod:`~opake_fx.serialization.tree` import none of these types.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from opake_fx.dpsgd.clipping.adaptive import next_clipping_norm
 from opake_fx.dpsgd.sampling import PoissonSampler, SequentialBatchSampler
 from opake_fx.errors import CheckpointError
 from opake_fx.random import RngKey, fold_in, normal
-from opake_fx.serialization.tree import register_serializer, state_dict
+from opake_fx.serialization._registry import register_serializer
+from opake_fx.serialization.tree import state_dict
 from opake_fx.types import PerGroup
 
 # A key is one int64 tensor [hi, lo]: its path names the key, and the dtype rule of

@@ -41,7 +41,7 @@ from opake_fx.errors import CheckpointError, CheckpointRanksError, DistributedMi
 from opake_fx.random import RngKey
 from opake_fx.serialization._ranks import check_shared_state
 from opake_fx.serialization.files import read_checkpoint, restore_trees, save_checkpoint
-from opake_fx.serialization.tree import serializer_for
+from opake_fx.serialization._registry import serializer_for
 
 __all__ = ["save_run", "load_run", "run_counters", "plan_identity", "refuse_together", "RUN_TREE"]
 

@@ -7,6 +7,10 @@ the same structure, typically ``pipeline.init(params)``. The template decides ev
 class, container, dtype and device; the dict supplies only the leaf values. The dict
 names no class and no function, so nothing is imported or called by a name read from a
 file, and the dict saves and loads with ``torch.load(..., weights_only=True)``.
+
+Types that need more than their fields are looked up in
+:mod:`opake_fx.serialization._registry` (:func:`register_serializer` is re-exported here);
+this module knows none of them.
 """
 
 from __future__ import annotations
@@ -16,12 +20,12 @@ import difflib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from opake_fx.errors import CheckpointError, InputTypeError, OpakeError
-from opake_fx.typing import typechecked
+from opake_fx.serialization._registry import register_serializer, serializer_for
 
 __all__ = ["state_dict", "from_state_dict", "register_serializer"]
 
@@ -30,79 +34,6 @@ SEPARATOR = "/"
 
 _PLAIN = (type(None), bool, int, float, str)
 _MAX_LISTED = 8
-
-
-class _Serializer(NamedTuple):
-    to_tree: Callable[[Any], Any]
-    from_tree: Callable[[Any, Any], Any]
-    variable_shapes: bool = False
-    from_leaf: Callable[[Any, Any], Any] | None = None
-
-
-# The serializer registry: the one documented piece of module-level state here (users
-# add their types with register_serializer; the library's own are loaded on first use).
-_SERIALIZERS: dict[type, _Serializer] = {}
-_BUILTINS_LOADED = False
-
-
-@typechecked
-def register_serializer(
-    cls: type,
-    *,
-    to_tree: Callable[[Any], Any],
-    from_tree: Callable[[Any, Any], Any],
-    variable_shapes: bool = False,
-    from_leaf: Callable[[Any, Any], Any] | None = None,
-) -> type:
-    """Teaches :func:`state_dict` / :func:`from_state_dict` a type of your own.
-
-    ``to_tree(obj)`` returns what to save for ``obj``: any tree that :func:`state_dict`
-    already handles (tensors, plain values, tuples, lists, dicts, dataclasses, other
-    registered types). On load, ``to_tree(template)`` gives the structure to read, and
-    ``from_tree(template, tree)`` builds the object from the loaded ``tree`` (same
-    structure, values from the checkpoint). Subclasses of ``cls`` use its serializer
-    unless they have their own; a later registration replaces an earlier one.
-
-    Frozen dataclasses, ``NamedTuple`` states and plain containers need no registration.
-
-    Args:
-        cls: the type to serialize.
-        to_tree: ``obj -> tree``. With ``variable_shapes``, the structure (which entries
-            there are) must not depend on the object's state: give an absent part empty
-            tensors and ``None`` values rather than leaving its entries out.
-        from_tree: ``(template, tree) -> obj``; raise an ``OpakeError`` (or ``ValueError``)
-            for a value that does not fit: it is reported as a :class:`CheckpointError`
-            naming the entry.
-        variable_shapes: ``True`` for a state whose arrays grow with the run (the
-            ``Accountant``'s running composition): a tensor in this type's tree may then
-            have any size, with the template's number of dimensions, and must have
-            exactly the template's dtype (no precision change on load); a tensor of
-            another dtype or rank, or a value that is not a tensor, is still refused with
-            its path. ``False`` (default): the template's shapes, as everywhere else.
-        from_leaf: ``(template, value) -> obj`` for files written when this type was
-            saved as one plain leaf at its path (an earlier format); ``None`` refuses
-            such a file (its entry is reported as unknown).
-
-    Returns:
-        ``cls``.
-
-    Privacy: none by itself; a serializer must save every value that decides future
-    randomness (keys, step counters), or a resumed run would repeat noise.
-
-    Example:
-        >>> import torch
-        >>> class Ema:
-        ...     def __init__(self, avg): self.avg = avg
-        >>> _ = register_serializer(Ema, to_tree=lambda e: {"avg": e.avg},
-        ...                         from_tree=lambda template, tree: Ema(tree["avg"]))
-        >>> flat = state_dict(Ema(torch.ones(2)))
-        >>> flat
-        {'avg': tensor([1., 1.])}
-        >>> from_state_dict(Ema(torch.zeros(2)), flat).avg
-        tensor([1., 1.])
-    """
-    _SERIALIZERS[cls] = _Serializer(to_tree, from_tree, variable_shapes, from_leaf)
-    return cls
 
 
 def state_dict(obj: Any) -> dict[str, Any]:
@@ -244,25 +175,6 @@ def flatten_into(obj: Any, path: str, out: dict[str, Any], *, copy: bool) -> Non
         )
     for component, child in children:
         flatten_into(child, _join(path, component), out, copy=copy)
-
-
-def serializer_for(cls: type) -> _Serializer | None:
-    """The serializer registered for ``cls`` or its nearest base class, if any.
-
-    Privacy: none (a registry lookup).
-
-    Example:
-        >>> from opake_fx.dpsgd.sampling import TruncatedPoissonSampler
-        >>> serializer_for(TruncatedPoissonSampler) is serializer_for(TruncatedPoissonSampler.__mro__[1])
-        True
-        >>> serializer_for(dict) is None
-        True
-    """
-    _load_builtins()
-    for base in cls.__mro__:
-        if base in _SERIALIZERS:
-            return _SERIALIZERS[base]
-    return None
 
 
 # --- private helpers ---------------------------------------------------------------
@@ -472,10 +384,3 @@ def _unknown_message(unknown: list[str], missing: list[str]) -> str:
             hints.append(f"{name!r} may be the renamed {close[0]!r}")
     text = f"unknown entries {listed} (the template has no such path"
     return text + ("; " + ", ".join(hints) if hints else "") + ")"
-
-
-def _load_builtins() -> None:
-    global _BUILTINS_LOADED
-    if not _BUILTINS_LOADED:
-        _BUILTINS_LOADED = True
-        from opake_fx.serialization import _builtin  # noqa: F401  (registers the library's types)
