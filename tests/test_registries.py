@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import opake_fx.distributed as od
-from opake_fx.distributed import _state
+from opake_fx.distributed import state_sync as _state
 
 ROOT = Path(__file__).parents[1]
 

@@ -24,7 +24,7 @@ there). Works with gloo on CPU and nccl on CUDA. See ``docs/distributed.md``.
 """
 
 from opake_fx.distributed import collectives
-from opake_fx.distributed._state import register_sync_type, registered_sync_types, sync, sync_fields
+from opake_fx.distributed.state_sync import register_sync_type, registered_sync_types, sync, sync_fields
 from opake_fx.distributed.collectives import (
     REDUCE_OPS,
     all_reduce,

@@ -36,8 +36,8 @@ from opake_fx._noise_input import (
     check_second_moment_share,
 )
 from opake_fx._noise_prefetch import NoisePrefetcher
-from opake_fx.distributed import register_sync_type
-from opake_fx.distributed._builtin_sync import sync_gaussian_noise_state
+from opake_fx.distributed.state_sync import register_sync_type
+from opake_fx.distributed.builtin_sync import sync_gaussian_noise_state
 from opake_fx.distributed.agreement import AgreementCheck
 from opake_fx._gaussian import (
     DEFAULT_SECOND_MOMENT_SHARE,

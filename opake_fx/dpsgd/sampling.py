@@ -42,6 +42,8 @@ from typing import Any, SupportsIndex
 import torch
 
 import opake_fx.validation as check
+from opake_fx.distributed.state_sync import register_sync_type
+from opake_fx.distributed.builtin_sync import sync_poisson_sampler, sync_sequential_sampler
 from opake_fx.errors import InputValueError
 from opake_fx.random import RngKey, bits, fold_in
 from opake_fx.sampling_base import SAMPLE_RATE_HINT, KeyedSampler, StepSampler, dataset_length, poisson_indices
@@ -233,3 +235,7 @@ class SequentialBatchSampler(StepSampler):
         """
         start = (self.checked_step(step) % self.steps_per_pass) * self.batch_size
         return list(range(start, min(start + self.batch_size, self.dataset_size)))
+
+
+register_sync_type(PoissonSampler, sync_poisson_sampler)  # each sampler's own sync (ranks agree on key, step, rate)
+register_sync_type(SequentialBatchSampler, sync_sequential_sampler)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import opake_fx.distributed as od
-from opake_fx.distributed import _state
+from opake_fx.distributed import state_sync as _state
 from opake_fx.dpsgd.clipping import (
     AdaptiveClipState,
     ClippedGradAux,

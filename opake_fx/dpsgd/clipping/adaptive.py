@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
@@ -12,6 +13,8 @@ from torch import nn
 from opake_fx.dpsgd.clipping._engine import StepResult
 from opake_fx.dpsgd.clipping._entry import ClipMode, make_grad_fn
 from opake_fx.dpsgd.clipping.options import check_clipping_norm
+from opake_fx.distributed.state_sync import register_sync_type
+from opake_fx.distributed.builtin_sync import sync_adaptive_clip_state
 from opake_fx.dpsgd.clipping.types import ClipBackend
 from opake_fx.dpsgd.clipping.fixed import clip_weights
 from opake_fx.functional import FunctionalModel
@@ -184,3 +187,7 @@ def adaptive_clipped_grad(
         expected_batch_size=m,
     )
     return grad_fn, state
+
+
+# the state's own sync: the count summed over ranks, then the norm moved by it (the same on every rank)
+register_sync_type(AdaptiveClipState, functools.partial(sync_adaptive_clip_state, next_norm=next_clipping_norm))

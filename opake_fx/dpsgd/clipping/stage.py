@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from opake_fx.distributed.state_sync import register_sync_type, sync_fields
 from opake_fx.dpsgd.clipping.adaptive import adaptive_clipped_grad
 from opake_fx.dpsgd.clipping.auto import auto_clipped_grad
 from opake_fx.dpsgd.clipping.fixed import clipped_grad
@@ -254,3 +255,6 @@ def _no_stats(clip_state: Any) -> ClippingStats:
         zeros = {name: 0.0 for name in sorted(norm.values)}
         return ClippingStats(dict(zeros), dict(zeros), 0, 0)
     return ClippingStats(0.0, 0.0, 0, 0)
+
+
+register_sync_type(ClipStageState, sync_fields("clip_state", "stats"))  # synced field by field, where it is defined

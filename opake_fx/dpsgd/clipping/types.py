@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 import torch
 
+from opake_fx.distributed.state_sync import register_sync_type
+from opake_fx.distributed.builtin_sync import sync_clipped_grad_aux, sync_clipping_stats, sync_fixed_clip_state
 from opake_fx.errors import InputTypeError
 from opake_fx.types import PerGroup
 
@@ -94,3 +96,8 @@ def check_state(state: Any, cls: type, maker: str) -> None:
             f"grad_fn needs state=, the {cls.__name__} returned by {maker} (or by the previous grad_fn call); "
             f"got {got}. Call grad_fn(*args, state=state) and keep the state it returns."
         )
+
+
+register_sync_type(FixedClipState, sync_fixed_clip_state)  # each state type's own sync, where it is defined
+register_sync_type(ClippingStats, sync_clipping_stats)
+register_sync_type(ClippedGradAux, sync_clipped_grad_aux)

@@ -3,7 +3,7 @@
 This module holds the one documented piece of module-level state in opake_fx.distributed:
 the sync registry, a mapping ``type -> sync function``. Every state type registers its
 own entry, with :func:`register_sync_type`, in the module that defines it (the library's
-use the functions of ``opake_fx.distributed._builtin_sync``), so this layer imports no
+use the functions of ``opake_fx.distributed.builtin_sync``), so this layer imports no
 layer above it; users add their own types the same way.
 """
 
@@ -20,7 +20,6 @@ __all__ = ["sync", "register_sync_type", "registered_sync_types", "sync_fields"]
 SyncFn = Callable[[Any], Any]
 
 _SYNC_REGISTRY: dict[type, SyncFn] = {}
-_AWAITING_LOADED = False
 
 
 def sync(*states: Any) -> Any:
@@ -128,8 +127,7 @@ def registered_sync_types() -> tuple[type, ...]:
     imported. So the type of any library state you hold is listed, and :func:`sync` finds
     it; a type whose module nothing has imported yet is not listed, and the listing does
     not import it (importing ``opake_fx`` or ``opake_fx.distributed`` imports none of
-    them). One exception, for now: the clipping states and the DP-SGD samplers are added
-    on the first listing or sync, until their own modules register them (issue 31).
+    them).
 
     Privacy: none (a query about the registry).
 
@@ -138,7 +136,6 @@ def registered_sync_types() -> tuple[type, ...]:
         >>> GaussianNoiseState in registered_sync_types()
         True
     """
-    _ensure_awaiting()
     return tuple(_SYNC_REGISTRY)
 
 
@@ -180,7 +177,6 @@ def sync_fields(*names: str) -> SyncFn:
 
 
 def _sync_one(state: Any) -> Any:
-    _ensure_awaiting()
     fn = _resolve(type(state))
     if fn is None:
         names = sorted(t.__name__ for t in _SYNC_REGISTRY)
@@ -202,36 +198,3 @@ def _resolve(cls: type) -> SyncFn | None:
         if base in _SYNC_REGISTRY:
             return _SYNC_REGISTRY[base]
     return None
-
-
-def _ensure_awaiting() -> None:
-    """Transitional (issue 31): registers the states whose modules do not register themselves yet.
-
-    The clipping states (``opake_fx.dpsgd.clipping``) and the DP-SGD samplers still rely
-    on this, on the first :func:`sync` or :func:`registered_sync_types`; it never replaces a
-    registration (theirs or a user's). It goes, with this layer's last imports of a layer
-    above it, once each of those modules calls :func:`register_sync_type` for its types.
-    """
-    global _AWAITING_LOADED
-    if _AWAITING_LOADED:
-        return
-    from functools import partial
-
-    from opake_fx.distributed import _builtin_sync as fns
-    from opake_fx.dpsgd.clipping.adaptive import AdaptiveClipState, next_clipping_norm
-    from opake_fx.dpsgd.clipping.stage import ClipStageState
-    from opake_fx.dpsgd.clipping.types import ClippedGradAux, ClippingStats, FixedClipState
-    from opake_fx.dpsgd.sampling import PoissonSampler, SequentialBatchSampler
-
-    awaiting: list[tuple[type, SyncFn]] = [
-        (FixedClipState, fns.sync_fixed_clip_state),
-        (AdaptiveClipState, partial(fns.sync_adaptive_clip_state, next_norm=next_clipping_norm)),
-        (ClippingStats, fns.sync_clipping_stats),
-        (ClippedGradAux, fns.sync_clipped_grad_aux),
-        (ClipStageState, sync_fields("clip_state", "stats")),
-        (PoissonSampler, fns.sync_poisson_sampler),
-        (SequentialBatchSampler, fns.sync_sequential_sampler),
-    ]
-    for cls, fn in awaiting:
-        _SYNC_REGISTRY.setdefault(cls, fn)
-    _AWAITING_LOADED = True

@@ -36,6 +36,10 @@ from opake_fx.distributed.metrics import gather_for_metrics
 from opake_fx.errors import DistributedMismatchError, InputTypeError
 from opake_fx.pytree import tree_map
 
+__all__ = ["mark_synced", "is_marked_synced", "sync_fixed_clip_state", "sync_adaptive_clip_state",
+           "sync_gaussian_noise_state", "sync_poisson_sampler", "sync_sequential_sampler", "sync_clipping_stats",
+           "sync_clipped_grad_aux"]
+
 T = TypeVar("T")
 
 # Outputs of additive syncs (counts that are summed over ranks), by identity, so that a
