@@ -108,10 +108,10 @@ def test_the_registries_import_none_of_the_types_they_hold() -> None:
     graph = import_graph()
     upward = {
         name: sorted(t for t in graph[name] if not t.startswith(("opake_fx.distributed", "opake_fx.errors")))
-        for name in ("opake_fx.distributed._builtin_sync", "opake_fx.distributed.collectives")
+        for name in ("opake_fx.distributed.builtin_sync", "opake_fx.distributed.collectives")
     }
-    upward["opake_fx.distributed._builtin_sync"].remove("opake_fx.pytree")
-    assert upward == {"opake_fx.distributed._builtin_sync": [], "opake_fx.distributed.collectives": []}
+    upward["opake_fx.distributed.builtin_sync"].remove("opake_fx.pytree")
+    assert upward == {"opake_fx.distributed.builtin_sync": [], "opake_fx.distributed.collectives": []}
     assert graph["opake_fx.serialization._registry"] <= {"opake_fx.typing"}
     assert not any(t.startswith(("opake_fx.dpsgd", "opake_fx.dpftrl", "opake_fx.accounting"))
                    for t in graph["opake_fx.serialization.tree"])
