@@ -59,7 +59,8 @@ BandMF, BSR or BLT strategy."""
 
 COMPATIBLE: dict[str, tuple[str, ...]] = compatible_pairs()
 """The samplers each mechanism goes with (the pairs whose accounting the plan knows), derived from the
-sampling parts' accounting kinds and the kinds each mechanism accounts.
+sampling parts' accounting kinds and the kinds each mechanism accounts (the library's parts; the plan
+itself reads the registries, :func:`opake_fx.planning.mechanisms.compatible_pairs`).
 
 * ``gaussian`` (DP-SGD): Poisson amplification (``poisson``, ``truncated_poisson``).
 * banded strategies (``band_mf``, ``bsr``) under ``cyclic_poisson``: amplified BandMF,
@@ -217,7 +218,7 @@ class DPPlan:
             raise InputValueError(
                 f"DPPlan: sampling={self.sampling!r} does not go with mechanism={self.mechanism!r} (the plan has no "
                 f"sound accounting for that pair). mechanism={self.mechanism!r} takes sampling in "
-                f"{COMPATIBLE[self.mechanism]}; the valid pairs are {_pairs()}."
+                f"{compatible_pairs()[self.mechanism]}; the valid pairs are {_pairs()}."
             )
         min_sep = _used_field(self.min_sep, "min_sep", "sampling", sampling, SAMPLING.parts(), "uses_min_sep",
                               sampling.min_sep_message, minimum=1)
@@ -871,4 +872,4 @@ def _length(q: float, steps: Any, epochs: Any) -> tuple[int, float]:
 
 
 def _pairs() -> str:
-    return "; ".join(f"{m}: {', '.join(s)}" for m, s in COMPATIBLE.items())
+    return "; ".join(f"{m}: {', '.join(s)}" for m, s in compatible_pairs().items())
