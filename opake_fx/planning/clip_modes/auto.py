@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import opake_fx.validation as check
 from opake_fx.planning.clip_modes.base import ClipMode
 from opake_fx.planning.fields import PlanFields
-
-if TYPE_CHECKING:
-    from opake_fx.random import RngKey
+from opake_fx.random import RngKey
 
 __all__ = ["AutoClipping"]
 

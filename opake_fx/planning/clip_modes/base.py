@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from opake_fx.planning.fields import PlanFields
-
-if TYPE_CHECKING:
-    from opake_fx.random import RngKey
+from opake_fx.random import RngKey
 
 __all__ = ["ClipMode"]
 

@@ -10,13 +10,11 @@ accounted under is :attr:`NoiseMechanism.accounts`; the pairs a plan accepts fol
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from opake_fx.errors import InputValueError
 from opake_fx.planning.fields import PlanFields
-
-if TYPE_CHECKING:
-    from opake_fx.random import RngKey
+from opake_fx.random import RngKey
 
 __all__ = ["NoiseMechanism"]
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opake_fx.planning.fields import PlanFields
 from opake_fx.planning.mechanisms.base import NoiseMechanism
 from opake_fx.planning.samplers.base import EVERY_STEP
-
-if TYPE_CHECKING:
-    from opake_fx.random import RngKey
+from opake_fx.random import RngKey
 
 __all__ = ["GaussianMechanism"]
 

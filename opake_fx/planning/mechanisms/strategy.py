@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opake_fx.planning.fields import PlanFields
 from opake_fx.planning.mechanisms.base import NoiseMechanism
-
-if TYPE_CHECKING:
-    from opake_fx.random import RngKey
+from opake_fx.random import RngKey
 
 __all__ = ["StrategyMechanism"]
 

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opake_fx.errors import InputValueError
 from opake_fx.planning.fields import PlanFields
 from opake_fx.planning.participation import Participation
 from opake_fx.planning.samplers.base import MIN_SEPARATION, SamplingScheme
-
-if TYPE_CHECKING:
-    from opake_fx.random import RngKey
+from opake_fx.random import RngKey
 
 __all__ = ["MinSepSampling", "min_separation_pattern"]
 

@@ -19,14 +19,12 @@ scheme goes with:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from opake_fx.errors import InputValueError
 from opake_fx.planning.fields import PlanFields
 from opake_fx.planning.participation import Participation
-
-if TYPE_CHECKING:
-    from opake_fx.random import RngKey
+from opake_fx.random import RngKey
 
 __all__ = ["SamplingScheme", "EVERY_STEP", "CYCLIC", "MIN_SEPARATION", "OffsetSampler", "shard_sampler"]
 

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import opake_fx.validation as check
 from opake_fx.errors import InputValueError
 from opake_fx.planning.fields import PlanFields
 from opake_fx.planning.participation import Participation
 from opake_fx.planning.samplers.base import CYCLIC, SamplingScheme
-
-if TYPE_CHECKING:
-    from opake_fx.random import RngKey
+from opake_fx.random import RngKey
 
 __all__ = ["CyclicPoissonSampling"]
 
