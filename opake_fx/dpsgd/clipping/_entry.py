@@ -1,6 +1,6 @@
 """The one entry behind :func:`clipped_grad`, :func:`auto_clipped_grad` and :func:`adaptive_clipped_grad`.
 
-The three clipping functions differ only in a :class:`ClipMode`: the clip norm a call
+The three clipping functions differ only in a :class:`ClipFunctionSpec`: the clip norm a call
 uses, the rule that turns per-example norms into weights, and the state after the
 call. Everything they share — the keyword arguments, checked once into one
 :class:`~.options.ClipConfig`, the backend, ``pre_clip``, the second-moment stream, the
@@ -21,11 +21,11 @@ from opake_fx.dpsgd.clipping.types import FixedClipState, check_state
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.types import PerGroup
 
-__all__ = ["ClipMode", "fixed_norm_grad_fn", "make_grad_fn"]
+__all__ = ["ClipFunctionSpec", "fixed_norm_grad_fn", "make_grad_fn"]
 
 
 @dataclass(frozen=True)
-class ClipMode:
+class ClipFunctionSpec:
     """What makes one clipping function different from another.
 
     Attributes:
@@ -49,7 +49,7 @@ def fixed_norm_grad_fn(
     """:func:`make_grad_fn` for a mode that clips at ``arguments["clipping_norm"]`` on every call
     and whose state only counts calls (fixed and AUTO-S clipping): ``(grad_fn, state)``."""
     clipping_norm = arguments["clipping_norm"]
-    mode = ClipMode(maker, FixedClipState, clipping_norm=lambda state: clipping_norm, weights=weights,
+    mode = ClipFunctionSpec(maker, FixedClipState, clipping_norm=lambda state: clipping_norm, weights=weights,
                     advance=_count_call)
     return make_grad_fn(arguments["loss_fn"], mode, arguments), FixedClipState(clipping_norm=clipping_norm)
 
@@ -58,7 +58,7 @@ def _count_call(state: FixedClipState, result: StepResult) -> FixedClipState:
     return replace(state, step=state.step + 1)
 
 
-def make_grad_fn(loss_fn: Callable[..., Any], mode: ClipMode, arguments: Mapping[str, Any]) -> Callable[..., Any]:
+def make_grad_fn(loss_fn: Callable[..., Any], mode: ClipFunctionSpec, arguments: Mapping[str, Any]) -> Callable[..., Any]:
     """Checks the shared options among ``arguments`` (the public function's ``locals()``) into one
     :class:`~.options.ClipConfig` and returns ``grad_fn(*args, state=state, **kwargs)`` for ``mode``."""
     if not callable(loss_fn):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from opake_fx.dpsgd.clipping._engine import StepResult
-from opake_fx.dpsgd.clipping._entry import ClipMode, make_grad_fn
+from opake_fx.dpsgd.clipping._entry import ClipFunctionSpec, make_grad_fn
 from opake_fx.dpsgd.clipping.options import check_clipping_norm
 from opake_fx.distributed.state_sync import register_sync_type
 from opake_fx.distributed.builtin_sync import sync_adaptive_clip_state
@@ -162,7 +162,7 @@ def adaptive_clipped_grad(
             )
         return state.clipping_norm
 
-    mode = ClipMode(
+    mode = ClipFunctionSpec(
         "adaptive_clipped_grad",
         AdaptiveClipState,
         clipping_norm=configured_norm,
