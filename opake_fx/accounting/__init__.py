@@ -12,6 +12,7 @@ Example:
     0.8246
 """
 
+from opake_fx.accounting import mechanisms
 from opake_fx.accounting.accountant import Accountant
 from opake_fx.accounting.budgets import (
     Budget,
@@ -79,11 +80,6 @@ __all__ = [
     "NonPrivate",
     "Repeated",
     "Composed",
-    "Gaussian",
-    "AdaptiveClippingGaussian",
-    "Laplace",
-    "EpsDelta",
-    "PoissonSampled",
-    "TruncatedPoissonSampled",
-    "SampledWithoutReplacement",
+    # the mechanism classes, in the order mechanisms lists them
+    *(name for name in mechanisms.__all__ if isinstance(getattr(mechanisms, name), type)),
 ]

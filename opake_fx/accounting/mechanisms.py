@@ -13,7 +13,7 @@ Users build these through the factories in :mod:`opake_fx.dpsgd.accounting`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from numbers import Real
 from typing import Any, ClassVar
 
@@ -49,7 +49,26 @@ __all__ = [
 ]
 
 
-class _Step(DpProcess):
+class _Mechanism(DpProcess):
+    """Base of the mechanisms here: serialised as their dataclass fields, in order.
+
+    An ``inner`` field (the step a sampling wraps) is stored as its own ``to_dict()``.
+    """
+
+    __slots__ = ()
+
+    def _fields(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        if "inner" in data:
+            data["inner"] = data["inner"].to_dict()
+        return data
+
+    @classmethod
+    def _from_fields(cls, data: dict[str, Any]) -> DpProcess:
+        return cls(*(process_from_dict(data[f.name]) if f.name == "inner" else data[f.name] for f in fields(cls)))
+
+
+class _Step(_Mechanism):
     """A single un-subsampled step that can be subsampled (base of the leaf mechanisms)."""
 
     __slots__ = ()
@@ -109,13 +128,6 @@ class Gaussian(_GaussianLike):
     def effective_noise_multiplier(self) -> float:
         return self.noise_multiplier
 
-    def _fields(self) -> dict[str, Any]:
-        return {"noise_multiplier": self.noise_multiplier}
-
-    @classmethod
-    def _from_fields(cls, data: dict[str, Any]) -> DpProcess:
-        return cls(data["noise_multiplier"])
-
 
 @dataclass(frozen=True)
 class AdaptiveClippingGaussian(_GaussianLike):
@@ -144,13 +156,6 @@ class AdaptiveClippingGaussian(_GaussianLike):
     def effective_noise_multiplier(self) -> float:
         return (self.noise_multiplier**-2 + (2.0 * self.count_noise_multiplier) ** -2) ** -0.5
 
-    def _fields(self) -> dict[str, Any]:
-        return {"noise_multiplier": self.noise_multiplier, "count_noise_multiplier": self.count_noise_multiplier}
-
-    @classmethod
-    def _from_fields(cls, data: dict[str, Any]) -> DpProcess:
-        return cls(data["noise_multiplier"], data["count_noise_multiplier"])
-
 
 @dataclass(frozen=True)
 class Laplace(_Step):
@@ -175,13 +180,6 @@ class Laplace(_Step):
 
     def _rdp(self, orders: np.ndarray) -> np.ndarray:
         return _rdp.laplace_rdp(self.scale, orders)
-
-    def _fields(self) -> dict[str, Any]:
-        return {"scale": self.scale}
-
-    @classmethod
-    def _from_fields(cls, data: dict[str, Any]) -> DpProcess:
-        return cls(data["scale"])
 
 
 @dataclass(frozen=True)
@@ -210,16 +208,9 @@ class EpsDelta(_Step):
             )
         return _rdp.pure_dp_rdp(self.epsilon, orders)
 
-    def _fields(self) -> dict[str, Any]:
-        return {"epsilon": self.epsilon, "delta": self.delta}
-
-    @classmethod
-    def _from_fields(cls, data: dict[str, Any]) -> DpProcess:
-        return cls(data["epsilon"], data["delta"])
-
 
 @dataclass(frozen=True)
-class PoissonSampled(DpProcess):
+class PoissonSampled(_Mechanism):
     """``inner`` applied to a Poisson sample: each example included independently w.p. ``sample_rate``.
 
     Dominating pairs (add-or-remove): remove ``(qP + (1-q)Q, Q)`` and add
@@ -253,16 +244,9 @@ class PoissonSampled(DpProcess):
             )
         return _rdp.poisson_gaussian_rdp(self.sample_rate, self.inner.effective_noise_multiplier, orders)
 
-    def _fields(self) -> dict[str, Any]:
-        return {"inner": self.inner.to_dict(), "sample_rate": self.sample_rate}
-
-    @classmethod
-    def _from_fields(cls, data: dict[str, Any]) -> DpProcess:
-        return cls(process_from_dict(data["inner"]), data["sample_rate"])
-
 
 @dataclass(frozen=True)
-class TruncatedPoissonSampled(DpProcess):
+class TruncatedPoissonSampled(_Mechanism):
     """Poisson sampling whose batches are cut to ``max_batch_size`` by a uniformly random subset.
 
     Bound (the analysis dp_accounting implements for its truncated-Poisson event, after
@@ -333,21 +317,9 @@ class TruncatedPoissonSampled(DpProcess):
         z = self.inner.effective_noise_multiplier  # type: ignore[attr-defined]
         return _rdp.poisson_gaussian_rdp(self.sample_rate, z, orders)
 
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "inner": self.inner.to_dict(),
-            "sample_rate": self.sample_rate,
-            "dataset_size": self.dataset_size,
-            "max_batch_size": self.max_batch_size,
-        }
-
-    @classmethod
-    def _from_fields(cls, data: dict[str, Any]) -> DpProcess:
-        return cls(process_from_dict(data["inner"]), data["sample_rate"], data["dataset_size"], data["max_batch_size"])
-
 
 @dataclass(frozen=True)
-class SampledWithoutReplacement(DpProcess):
+class SampledWithoutReplacement(_Mechanism):
     """``inner`` applied to a uniformly random batch of exactly ``batch_size`` of ``dataset_size``.
 
     Replace-one neighbours. If ``inner`` is f-DP under replace-one (a Gaussian step is
@@ -396,13 +368,6 @@ class SampledWithoutReplacement(DpProcess):
         if self.batch_size == self.dataset_size and isinstance(self.inner, _GaussianLike):
             return 2.0 / self.inner.effective_noise_multiplier
         return None
-
-    def _fields(self) -> dict[str, Any]:
-        return {"inner": self.inner.to_dict(), "dataset_size": self.dataset_size, "batch_size": self.batch_size}
-
-    @classmethod
-    def _from_fields(cls, data: dict[str, Any]) -> DpProcess:
-        return cls(process_from_dict(data["inner"]), data["dataset_size"], data["batch_size"])
 
 
 @typechecked
