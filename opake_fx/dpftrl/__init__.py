@@ -18,6 +18,7 @@ Example:
     >>> stage = noise(band_mf_strategy(100, bands=4), noise_multiplier=1.0, key=key(0))
 """
 
+from opake_fx.dpftrl import strategies
 from opake_fx.dpftrl.noise import MfNoiseState, mf_gaussian_noise, noise
 from opake_fx.dpftrl.sampling import BallsInBinsSampler, CyclicPoissonSampler, FixedEpochSampler, MinSepSampler
 from opake_fx.dpftrl.strategies import (
@@ -40,23 +41,9 @@ from opake_fx.dpftrl.strategies import (
 )
 from opake_fx.dpftrl.workloads import Workload, matrix_workload, momentum_workload, prefix_workload
 
+# The strategies package's names (but its base class ToeplitzLike, which stays there), then the rest.
 __all__ = [
-    "Strategy",
-    "IdentityStrategy",
-    "ToeplitzStrategy",
-    "BandedStrategy",
-    "BltStrategy",
-    "InverseToeplitzStrategy",
-    "InverseBandedStrategy",
-    "DenseStrategy",
-    "identity_strategy",
-    "band_mf_strategy",
-    "blt_strategy",
-    "bsr_strategy",
-    "bisr_strategy",
-    "lambda_cgd_strategy",
-    "dense_strategy",
-    "strategy_from_dict",
+    *(name for name in strategies.__all__ if name != "ToeplitzLike"),
     "Workload",
     "prefix_workload",
     "momentum_workload",

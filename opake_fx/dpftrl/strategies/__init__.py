@@ -31,7 +31,6 @@ from opake_fx.dpftrl.strategies.inverse import (
 __all__ = [
     "Strategy",
     "ToeplitzLike",
-    "strategy_from_dict",
     "IdentityStrategy",
     "ToeplitzStrategy",
     "BandedStrategy",
@@ -46,4 +45,5 @@ __all__ = [
     "bisr_strategy",
     "lambda_cgd_strategy",
     "dense_strategy",
+    "strategy_from_dict",
 ]

@@ -295,6 +295,30 @@ def frozen(x: Any) -> np.ndarray:
     return a
 
 
+def toeplitz_column(coefs: torch.Tensor, n: int) -> torch.Tensor:
+    """The first column of an ``n x n`` lower-triangular Toeplitz matrix given its leading coefficients.
+
+    The first ``n`` entries of ``coefs``, zero-padded to length ``n`` (a banded matrix
+    stores only its bands).
+
+    Args:
+        coefs: the leading coefficients, a 1-d tensor.
+        n: the size of the matrix.
+
+    Returns:
+        A tensor of length ``n``, of the dtype of ``coefs``.
+
+    Example:
+        >>> import torch
+        >>> toeplitz_column(torch.tensor([1.0, 0.5]), 4).tolist()
+        [1.0, 0.5, 0.0, 0.0]
+        >>> toeplitz_column(torch.tensor([1.0, 0.5, 0.25]), 2).tolist()
+        [1.0, 0.5]
+    """
+    c = coefs[:n]
+    return torch.nn.functional.pad(c, (0, n - c.shape[0]))
+
+
 def _reduce(errors: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "mean":
         return errors.mean()

@@ -33,6 +33,7 @@ from opake_fx.dpftrl.strategies._base import (
     ToeplitzLike,
     check_n_steps,
     frozen,
+    toeplitz_column,
 )
 from opake_fx.dpftrl.streaming import BandedSolve, IdentityInverse, StreamingInverse
 from opake_fx.dpftrl.workloads import Workload, resolve_workload
@@ -65,8 +66,7 @@ class IdentityStrategy(ToeplitzLike):
         return torch.ones(1, dtype=torch.float64)
 
     def toeplitz_coefficients(self, n: int | None = None) -> torch.Tensor:
-        n = self._n(n)
-        return torch.nn.functional.pad(torch.ones(1, dtype=torch.float64), (0, n - 1))
+        return toeplitz_column(torch.ones(1, dtype=torch.float64), self._n(n))
 
     def inverse_toeplitz_coefficients(self, n: int | None = None) -> torch.Tensor:
         return self.toeplitz_coefficients(n)
@@ -114,9 +114,7 @@ class ToeplitzStrategy(ToeplitzLike):
         return torch.from_numpy(self.coefs.copy())
 
     def toeplitz_coefficients(self, n: int | None = None) -> torch.Tensor:
-        n = self._n(n)
-        c = self.coefficients()[:n]
-        return torch.nn.functional.pad(c, (0, n - c.shape[0]))
+        return toeplitz_column(self.coefficients(), self._n(n))
 
     def inverse_noise(self) -> StreamingInverse:
         c = self.coefs

@@ -24,7 +24,7 @@ import torch
 
 import opake_fx.validation as check
 from opake_fx.dpftrl import _optim, _toeplitz
-from opake_fx.dpftrl.strategies._base import ToeplitzLike, check_n_steps, frozen
+from opake_fx.dpftrl.strategies._base import ToeplitzLike, check_n_steps, frozen, toeplitz_column
 from opake_fx.dpftrl.strategies.banded import toeplitz_loss_fn
 from opake_fx.dpftrl.streaming import BltSolve, StreamingInverse
 from opake_fx.dpftrl.workloads import Workload, resolve_workload
@@ -159,7 +159,7 @@ def blt_strategy(
 def blt_coefficients(theta: torch.Tensor, omega: torch.Tensor, n: int) -> torch.Tensor:
     """First column of the BLT: ``[1, sum w, sum w theta, sum w theta^2, ...]`` (length ``n``)."""
     if theta.numel() == 0 or n == 1:
-        return torch.nn.functional.pad(torch.ones(1, dtype=torch.float64), (0, n - 1))
+        return toeplitz_column(torch.ones(1, dtype=torch.float64), n)
     k = torch.arange(n - 1, dtype=torch.float64)
     powers = torch.exp(k[:, None] * torch.log(theta)[None, :])
     tail = powers @ omega

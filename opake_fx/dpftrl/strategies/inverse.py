@@ -27,7 +27,7 @@ import torch
 import opake_fx.validation as check
 from opake_fx.dpftrl import _optim, _toeplitz
 from opake_fx.dpftrl import sensitivity as _sens
-from opake_fx.dpftrl.strategies._base import Strategy, ToeplitzLike, check_n_steps, frozen
+from opake_fx.dpftrl.strategies._base import Strategy, ToeplitzLike, check_n_steps, frozen, toeplitz_column
 from opake_fx.dpftrl.strategies.banded import lower_triangular_sqrt, matrix_to_band
 from opake_fx.dpftrl.streaming import BandedInverseApply, StreamingInverse
 from opake_fx.dpftrl.workloads import Workload, resolve_workload
@@ -73,9 +73,7 @@ class InverseToeplitzStrategy(ToeplitzLike):
         return torch.from_numpy(self.inverse_coefs.copy())
 
     def inverse_toeplitz_coefficients(self, n: int | None = None) -> torch.Tensor:
-        n = self._n(n)
-        d = self.coefficients()[:n]
-        return torch.nn.functional.pad(d, (0, n - d.shape[0]))
+        return toeplitz_column(self.coefficients(), self._n(n))
 
     def toeplitz_coefficients(self, n: int | None = None) -> torch.Tensor:
         n = self._n(n)
