@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass, fields, replace
 from numbers import Real
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Mapping, Self
 
 import optree
 import torch
@@ -427,8 +427,29 @@ class NoisedPytree(ClippedPytree):
         return replace(out, noise_stddev=stddev)
 
 
+class _StreamPair:
+    """Base of the two-stream outputs: both dataclass fields hold a ``_stream`` pytree.
+
+    Each stream is checked on construction and cloned with the pair.
+    """
+
+    _stream: ClassVar[type]
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, self._stream):
+                raise InputTypeError(
+                    f"{type(self).__name__}.{f.name} must be a {self._stream.__name__}; got {type(value).__name__}. "
+                    "Both streams carry their own sensitivity."
+                )
+
+    def clone(self) -> Self:
+        return type(self)(*(getattr(self, f.name).clone() for f in fields(self)))
+
+
 @dataclass(frozen=True)
-class SecondMomentClippingOutput:
+class SecondMomentClippingOutput(_StreamPair):
     """Clipped gradients paired with clipped squared gradients (two DP streams).
 
     Made by ``clipped_grad(..., second_moment=True)``: ``grads`` is the usual clipped sum
@@ -448,16 +469,11 @@ class SecondMomentClippingOutput:
 
     grads: ClippedPytree
     squared_grads: ClippedPytree
-
-    def __post_init__(self) -> None:
-        _check_pair(self, ("grads", "squared_grads"), ClippedPytree)
-
-    def clone(self) -> SecondMomentClippingOutput:
-        return SecondMomentClippingOutput(self.grads.clone(), self.squared_grads.clone())
+    _stream: ClassVar[type] = ClippedPytree
 
 
 @dataclass(frozen=True)
-class SecondMomentNoiseOutput:
+class SecondMomentNoiseOutput(_StreamPair):
     """Noised gradients paired with noised squared gradients (the noise stages' output for a pair).
 
     Each stream carries its own ``noise_stddev``; together they are one Gaussian release
@@ -467,12 +483,7 @@ class SecondMomentNoiseOutput:
 
     noisy_grads: NoisedPytree
     noisy_squared_grads: NoisedPytree
-
-    def __post_init__(self) -> None:
-        _check_pair(self, ("noisy_grads", "noisy_squared_grads"), NoisedPytree)
-
-    def clone(self) -> SecondMomentNoiseOutput:
-        return SecondMomentNoiseOutput(self.noisy_grads.clone(), self.noisy_squared_grads.clone())
+    _stream: ClassVar[type] = NoisedPytree
 
 
 def _widens(before: torch.dtype, after: torch.dtype) -> bool:
@@ -552,16 +563,6 @@ def _lipschitz(lipschitz: Any, owner: str, method: str = "map") -> float:
             "the result is then a plain pytree, which noise stages refuse."
         )
     return float(lipschitz)
-
-
-def _check_pair(obj: Any, names: tuple[str, str], cls: type) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, cls):
-            raise InputTypeError(
-                f"{type(obj).__name__}.{name} must be a {cls.__name__}; got {type(value).__name__}. "
-                "Both streams carry their own sensitivity."
-            )
 
 
 def _register(cls: type, children: tuple[str, ...]) -> None:
