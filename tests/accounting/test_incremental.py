@@ -8,7 +8,7 @@ import dp_accounting
 import numpy as np
 import pytest
 from dp_accounting.pld import pld_privacy_accountant
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from scipy import fft as sfft
 
@@ -25,7 +25,9 @@ def agrees(running: float, one_shot: float) -> bool:
     extended-precision reference in ``test_both_paths_bound_...``); they differ in where
     the FFT rounding bounds and the tail cuts are paid. The running one is looser than the
     one-shot by at most a few 1e-6 on short random sequences (3.0e-6 found at delta 1e-8
-    for a Laplace then a Gaussian step; 1e-5 allowed; looser is the safe direction; the
+    for a Laplace then a Gaussian step; hypothesis found 1.02e-5 and 2.38e-5 at delta 1e-8 for
+    poisson(0.75, q) then many poisson(4.0, 1/32), the two examples below; 9.5e-6 the worst of
+    360 random sequences; 5e-5 allowed, half the plan's 1e-4 slack; looser is the safe direction; the
     issue's 1e-6 is met on the 10,000-step schedule, 4e-9, tested at -m slow). It may be *tighter*:
     the one-shot Fourier product adds one uniform rounding bound to every bin, which at
     delta 1e-8 makes it looser than the exact value (by 2.0e-5 for poisson(1.0, 1/64) then
@@ -33,7 +35,7 @@ def agrees(running: float, one_shot: float) -> bool:
     grid 4.4241968), while the running one pays a bound of each bin's own order; 5e-5
     leaves room for that.
     """
-    return one_shot * (1 - 5e-5) - 1e-12 <= running <= one_shot * (1 + 1e-5) + 1e-12
+    return one_shot * (1 - 5e-5) - 1e-12 <= running <= one_shot * (1 + 5e-5) + 1e-12
 
 
 def poisson(sigma: float, q: float) -> acc.DpProcess:
@@ -51,6 +53,8 @@ steps_strategy = st.one_of(
 
 @settings(max_examples=10, deadline=None)
 @given(steps=st.lists(steps_strategy, min_size=2, max_size=12), delta=st.sampled_from([1e-3, 1e-5, 1e-8]))
+@example(steps=[poisson(0.75, 0.015625), poisson(4.0, 0.03125) * 66], delta=1e-8)  # running 1.02e-5 looser
+@example(steps=[poisson(0.75, 0.00390625), poisson(4.0, 0.03125) * 71], delta=1e-8)  # running 2.38e-5 looser
 def test_incremental_and_one_shot_agree_on_random_heterogeneous_sequences(steps, delta):
     running = acc.IncrementalPld()
     for step in steps:
