@@ -26,21 +26,27 @@ class ExampleSections(griffe.Extension):
 
 
 class GeneratedFunctions(griffe.Extension):
-    """Documents module attributes that a factory builds at import (``clip = _stage_of(...)``)
-    from the imported function: its ``__signature__`` and ``__doc__``.
+    """Documents stage factories whose signature is derived at import from the imported
+    function: its ``__signature__`` and ``__doc__``.
 
     ``opake_fx.dpsgd.clipping.stage`` generates ``clip``, ``auto_clip`` and
-    ``adaptive_clip`` from their clipping functions, so the source holds calls, not
-    ``def``s; griffe's static reading would skip them. The site build only.
+    ``adaptive_clip`` from their clipping functions (the source holds calls, not
+    ``def``s: griffe's static reading would skip them), and the noise stages are
+    ``@signature_of(mechanism) def noise(**arguments)`` (statically, a signature of
+    ``**arguments`` alone). The site build only.
     """
 
     FACTORIES = frozenset({"_stage_of"})
+    DECORATORS = ("signature_of",)  # opake_fx.signatures: a factory given its function's signature
 
     def on_module_members(self, *, mod: Any, **kwargs: Any) -> None:
         generated = [
             name for name, member in mod.members.items()
-            if not member.is_alias and member.is_attribute and isinstance(member.value, griffe.ExprCall)
-            and str(member.value.function) in self.FACTORIES
+            if not member.is_alias and (
+                (member.is_attribute and isinstance(member.value, griffe.ExprCall)
+                 and str(member.value.function) in self.FACTORIES)
+                or (member.is_function and any(str(d.value).startswith(self.DECORATORS) for d in member.decorators))
+            )
         ]
         if not generated:
             return

@@ -62,6 +62,7 @@ from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.transforms import Transform
 from opake_fx.types import ClippedPytree, NoisedPytree, SecondMomentNoiseOutput
 from opake_fx.distributed.agreement import AgreementCheck
+from opake_fx.signatures import signature_of
 from opake_fx.typing import typechecked
 
 __all__ = ["MfNoiseState", "mf_gaussian_noise", "noise"]
@@ -259,20 +260,12 @@ def mf_gaussian_noise(
     return noise_fn, MfNoiseState(key=key)
 
 
-@typechecked
-def noise(
-    strategy: Strategy,
-    *,
-    noise_multiplier: float,
-    key: RngKey,
-    min_sep: int = 1,
-    max_participations: int | None = 1,
-    epochs: int | None = None,
-    n_steps: int | None = None,
-    buffer_dtype: torch.dtype | None = None,
-    second_moment_share: float = DEFAULT_SECOND_MOMENT_SHARE,
-) -> Transform:
+@signature_of(mf_gaussian_noise, drop=("inplace", "exact"))
+def noise(**arguments: Any) -> Transform:
     """:func:`mf_gaussian_noise` as a chain stage (``ClippedPytree`` in, ``NoisedPytree`` out).
+
+    Takes :func:`mf_gaussian_noise`'s arguments but ``inplace`` and ``exact`` (its
+    signature is derived from the function's, so the two cannot drift apart).
 
     ``init(params)`` allocates the streaming buffers shaped like ``params`` (those of the
     squared stream, after a clip stage with ``second_moment=True``, on the first step).
@@ -288,7 +281,9 @@ def noise(
         >>> state.memory_bytes
         32
     """
-    noise_fn, state0 = mf_gaussian_noise(**locals())  # the stage's arguments are the mechanism's (less inplace, exact)
+    noise_fn, state0 = mf_gaussian_noise(**arguments)
+    strategy, noise_multiplier = arguments["strategy"], arguments["noise_multiplier"]
+    buffer_dtype = arguments["buffer_dtype"]
     inverse = strategy.inverse_noise()
 
     def init(params: Any) -> MfNoiseState:

@@ -51,6 +51,7 @@ from opake_fx.typing import typechecked
 from opake_fx.errors import InputValueError
 from opake_fx.random import RngKey
 from opake_fx.pipeline_privacy import StagePrivacy
+from opake_fx.signatures import signature_of
 from opake_fx.transforms import Transform
 from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup, SecondMomentClippingOutput, SecondMomentNoiseOutput
 
@@ -220,17 +221,12 @@ def gaussian_noise(
     return noise_fn, GaussianNoiseState(key=key)
 
 
-@typechecked
-def noise(
-    *,
-    noise_multiplier: float,
-    key: RngKey,
-    allocation: str = "optimal",
-    secure: bool = False,
-    second_moment_share: float = DEFAULT_SECOND_MOMENT_SHARE,
-    prefetch: bool | None = None,
-) -> Transform:
+@signature_of(gaussian_noise, drop=("exact",))
+def noise(**arguments: Any) -> Transform:
     """:func:`gaussian_noise` as a chain stage (``ClippedPytree`` in, ``NoisedPytree`` out).
+
+    Takes :func:`gaussian_noise`'s keywords but ``exact`` (its signature is derived from
+    the function's, so the two cannot drift apart).
 
     After a clip stage with ``second_moment=True``: ``SecondMomentClippingOutput`` in,
     ``SecondMomentNoiseOutput`` out, both streams noised under one budget (the share
@@ -247,7 +243,8 @@ def noise(
         >>> out.noise_stddev, state.step
         (0.5, 1)
     """
-    noise_fn, state0 = gaussian_noise(**locals())  # the stage's arguments are the mechanism's (less exact)
+    noise_fn, state0 = gaussian_noise(**arguments)
+    noise_multiplier = arguments["noise_multiplier"]
 
     def update(x: Any, state: GaussianNoiseState, params: Any = None, **extra: Any) -> tuple[Any, Any]:
         return noise_fn(x, state)

@@ -9,7 +9,6 @@ turns any ``(grad_fn, state)`` pair into a stage.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -22,6 +21,7 @@ from opake_fx.dpsgd.clipping.fixed import clipped_grad
 from opake_fx.dpsgd.clipping.types import ClippingStats
 from opake_fx.errors import InputValueError
 from opake_fx.pipeline_privacy import StagePrivacy
+from opake_fx.signatures import signature_of
 from opake_fx.transforms import Transform
 from opake_fx.types import ClippedPytree, PerGroup, SecondMomentClippingOutput
 
@@ -65,18 +65,8 @@ def _stage_of(name: str, clipping_function: Callable[..., Any], describe: Descri
     Privacy: the stage outputs what the clipping function does; its ``StagePrivacy``
     states ``describe``'s ``max_norm`` (``paired`` with ``second_moment=True``).
     """
-    loss_fn, *keywords = (parameter for parameter in inspect.signature(clipping_function).parameters.values()
-                          if parameter.name not in _NOT_STAGE_KEYWORDS)
-    signature = inspect.Signature([loss_fn, *keywords], return_annotation="Transform")
-
-    def stage(*args: Any, **kwargs: Any) -> Transform:
-        try:
-            bound = signature.bind(*args, **kwargs)
-        except TypeError as error:
-            raise TypeError(f"{name}() {error}") from None
-        bound.apply_defaults()
-        given = dict(bound.arguments)
-        grad_fn, state = clipping_function(given.pop(loss_fn.name), argnums=0, **given)
+    def stage(loss_fn: Callable[..., Any], **given: Any) -> Transform:
+        grad_fn, state = clipping_function(loss_fn, argnums=0, **given)
         description, max_norm = describe(given)
         privacy = StagePrivacy("clip", description, max_norm=max_norm, paired=given["second_moment"])
         return as_stage(grad_fn, state, batch_argnums=given["batch_argnums"], privacy=privacy,
@@ -84,8 +74,7 @@ def _stage_of(name: str, clipping_function: Callable[..., Any], describe: Descri
 
     stage.__name__ = stage.__qualname__ = name
     stage.__doc__ = doc
-    stage.__signature__ = signature  # type: ignore[attr-defined]
-    return stage
+    return signature_of(clipping_function, drop=_NOT_STAGE_KEYWORDS)(stage)
 
 
 clip = _stage_of(
