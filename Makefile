@@ -3,6 +3,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# hypothesis: the derandomised profile, so that `make test` passes or fails the same on every run;
+# HYPOTHESIS_PROFILE=dev make test explores new examples (tests/conftest.py)
+HYPOTHESIS_PROFILE ?= ci
+export HYPOTHESIS_PROFILE
 
 .PHONY: demo test test-slow bench install clean
 

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, settings
 DATA = Path(__file__).parent / "data"
 
 # "ci" is derandomised (the same examples on every run) so CI is reproducible;
-# "dev" explores new examples each run. CI sets HYPOTHESIS_PROFILE=ci (.ci/run).
+# "dev" explores new examples each run. CI and `make test` set HYPOTHESIS_PROFILE=ci (.ci/run, Makefile);
+# a bare `pytest` explores ("dev").
 settings.register_profile(
     "ci",
     derandomize=True,

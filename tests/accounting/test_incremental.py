@@ -32,10 +32,12 @@ def agrees(running: float, one_shot: float) -> bool:
     the one-shot Fourier product adds one uniform rounding bound to every bin, which at
     delta 1e-8 makes it looser than the exact value (by 2.0e-5 for poisson(1.0, 1/64) then
     poisson(0.625, 1/64): one-shot 4.424286, running 4.4241970, dp_accounting at a 1e-5
-    grid 4.4241968), while the running one pays a bound of each bin's own order; 5e-5
-    leaves room for that.
+    grid 4.4241968), while the running one pays a bound of each bin's own order; 6.0e-5 was
+    found for poisson(2.0, 1/64) then poisson(0.625, 1e-3) at delta 1e-8 (running 1.1107012,
+    one-shot 1.1107617, extended-precision reference 1.1107008, dp_accounting 1.1107009:
+    the running bound is the tight one), so 1e-4 is allowed.
     """
-    return one_shot * (1 - 5e-5) - 1e-12 <= running <= one_shot * (1 + 5e-5) + 1e-12
+    return one_shot * (1 - 1e-4) - 1e-12 <= running <= one_shot * (1 + 5e-5) + 1e-12
 
 
 def poisson(sigma: float, q: float) -> acc.DpProcess:
@@ -55,6 +57,7 @@ steps_strategy = st.one_of(
 @given(steps=st.lists(steps_strategy, min_size=2, max_size=12), delta=st.sampled_from([1e-3, 1e-5, 1e-8]))
 @example(steps=[poisson(0.75, 0.015625), poisson(4.0, 0.03125) * 66], delta=1e-8)  # running 1.02e-5 looser
 @example(steps=[poisson(0.75, 0.00390625), poisson(4.0, 0.03125) * 71], delta=1e-8)  # running 2.38e-5 looser
+@example(steps=[poisson(2.0, 0.015625), poisson(0.625, 0.001)], delta=1e-8)  # one-shot 5.4e-5 looser
 def test_incremental_and_one_shot_agree_on_random_heterogeneous_sequences(steps, delta):
     running = acc.IncrementalPld()
     for step in steps:
