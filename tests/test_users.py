@@ -1,0 +1,139 @@
+"""User-level sampling (opake_fx.users): the user is the unit that is sampled, clipped and accounted."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opake_fx.dpsgd import clip
+from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.functional import make_functional
+from opake_fx.random import key
+from opake_fx.users import UserIndex, UserPoissonSampler, batched_user_loss, collate_users, user_loss
+
+
+def test_user_index_numbers_users_by_first_example_and_refuses_ambiguous_ids():
+    users = UserIndex(torch.tensor([5, 5, 2, 9, 2]))
+    assert users.users == (5, 2, 9) and [users.examples_of(u) for u in range(3)] == [[0, 1], [2, 4], [3]]
+    with pytest.raises(InputTypeError, match="not floats"):
+        UserIndex([1.0, 2.0])
+    with pytest.raises(InputTypeError, match="hashable"):
+        UserIndex([[1], [2]])
+    with pytest.raises(InputValueError, match="empty"):
+        UserIndex([])
+
+
+def test_each_user_joins_with_the_sample_rate_and_brings_at_most_k_of_their_own_examples():
+    counts = [1, 3, 12, 40] * 5
+    ids = [u for u, c in enumerate(counts) for _ in range(c)]
+    users = UserIndex(ids)
+    q, k, steps = 0.3, 4, 400
+    sampler = UserPoissonSampler(users, sample_rate=q, max_examples=k, n_steps=steps, key=key(3))
+    joined = torch.zeros(users.n_users)
+    used = torch.zeros(len(ids))
+    for groups in sampler:
+        for g in groups:
+            u = ids[g[0]]
+            assert g == sorted(g) and set(g) <= set(users.examples_of(u)) and len(g) == min(k, counts[u])
+            joined[u] += 1
+            used[torch.tensor(g)] += 1
+    # each user's joins are Binomial(steps, q): 5 standard deviations
+    sd = math.sqrt(steps * q * (1 - q))
+    assert ((joined - steps * q).abs() <= 5 * sd).all()
+    # within a user of 40 joined J times, each example is used Binomial(J, k / 40)
+    big = [u for u in range(users.n_users) if counts[u] == 40]
+    for u in big:
+        n_joined = float(joined[u])
+        p = k / 40
+        per = used[torch.tensor(users.examples_of(u))]
+        assert ((per - n_joined * p).abs() <= 5 * math.sqrt(n_joined * p * (1 - p))).all()
+
+
+def test_the_sampler_resumes_and_is_a_function_of_the_key():
+    users = UserIndex([i % 7 for i in range(60)])
+    a = UserPoissonSampler(users, sample_rate=0.5, max_examples=3, n_steps=6, key=key(1))
+    first = [next(iter(a)) for _ in range(2)]
+    b = UserPoissonSampler(users, sample_rate=0.5, max_examples=3, n_steps=6, key=key(1))
+    b.load_state_dict(a.state_dict())
+    assert list(b) == [a.batch(t) for t in range(2, 6)]
+    assert first == [a.batch(0), a.batch(1)]
+    other = UserPoissonSampler(users, sample_rate=0.5, max_examples=3, n_steps=6, key=key(2))
+    assert [other.batch(t) for t in range(6)] != [a.batch(t) for t in range(6)]
+
+
+def test_collate_refuses_a_group_larger_than_k():
+    with pytest.raises(InputValueError, match="more than max_examples=2"):
+        collate_users((torch.zeros(5),), [[0, 1, 2]], max_examples=2)
+
+
+def _model():
+    torch.manual_seed(0)
+    return make_functional(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double())
+
+
+def _reference(fmodel, params, blocks, mask, c):
+    """float64 per-user loop: the mean of each user's example gradients, clipped to c, summed."""
+    x, y = blocks
+    total = [torch.zeros_like(p) for p in params]
+    for u in range(mask.shape[0]):
+        rows = mask[u]
+        loss = F.cross_entropy(fmodel(params, x[u][rows]), y[u][rows], reduction="mean")
+        grads = torch.autograd.grad(loss, params)
+        norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
+        scale = min(1.0, c / float(norm))
+        total = [t + scale * g for t, g in zip(total, grads)]
+    return total
+
+
+@pytest.mark.parametrize("backend", ["vmap", "auto", "ghost"])
+def test_a_user_with_many_adversarial_examples_moves_the_clipped_sum_by_at_most_the_clip_norm(backend):
+    """Neighbouring data sets differ by ALL of one user's examples: 40 examples of huge, aligned
+    inputs, of which k=8 are used. The clipped sum moves by at most C, and matches the float64
+    per-user loop."""
+    fmodel, params = _model()
+    params = [p.detach().requires_grad_(True) for p in params]
+    g = torch.Generator().manual_seed(1)
+    counts = [3, 5, 40, 1, 8]
+    ids = [u for u, n in enumerate(counts) for _ in range(n)]
+    x = torch.randn(len(ids), 6, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (len(ids),), generator=g)
+    attacker = 2
+    rows = torch.tensor(UserIndex(ids).examples_of(attacker))
+    x[rows] = 1e6  # every attacker example pushes the same way, hard
+    y[rows] = 0
+    k, c = 8, 0.5
+    users = UserIndex(ids)
+    groups = UserPoissonSampler(users, sample_rate=1.0, max_examples=k, n_steps=1, key=key(4)).batch(0)
+    assert len(groups[attacker]) == k
+    blocks, mask = collate_users((x, y), groups, max_examples=k)
+    if backend == "vmap":
+        loss = user_loss(lambda p, xi, yi: F.cross_entropy(fmodel(p, xi[None]), yi[None]))
+    else:
+        loss = batched_user_loss(lambda p, xb, yb: F.cross_entropy(fmodel(p, xb), yb, reduction="none"))
+    stage = clip(loss, clipping_norm=c, batch_argnums=(1, 2, 3), clip_backend=backend,
+                 model=None if backend == "vmap" else fmodel)
+    with_attacker, _ = stage.update((*blocks, mask), stage.init(params), params)
+    keep = torch.tensor([u != attacker for u in range(len(groups))])
+    without, _ = stage.update((blocks[0][keep], blocks[1][keep], mask[keep]), stage.init(params), params)
+    diff = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(with_attacker.pytree, without.pytree))).detach()
+    assert float(diff) <= c * (1 + 1e-12)
+    assert float(diff) > 0.9 * c  # the attacker's unit is clipped, not dropped
+    ref = _reference(fmodel, params, blocks, mask, c)
+    for got, want in zip(with_attacker.pytree, ref):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_example_level_clipping_of_the_same_user_would_exceed_the_bound():
+    """The reason for the unit: clipped per example, the attacker's k examples move the sum by k * C."""
+    fmodel, params = _model()
+    x = torch.full((8, 6), 1e6, dtype=torch.float64)
+    y = torch.zeros(8, dtype=torch.long)
+    stage = clip(lambda p, xi, yi: F.cross_entropy(fmodel(p, xi[None]), yi[None]), clipping_norm=0.5,
+                 batch_argnums=(1, 2))
+    out, _ = stage.update((x, y), stage.init(params), params)
+    norm = torch.sqrt(sum((t ** 2).sum() for t in out.pytree))
+    assert float(norm) > 3.0  # ~ 8 x 0.5: per-example clipping bounds each example, not the user
