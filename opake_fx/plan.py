@@ -47,7 +47,7 @@ from opake_fx.random import RngKey, fold_in
 from opake_fx.types import PerGroup
 
 __all__ = ["DPPlan", "PlanParts", "KeyRoles", "Participation", "RecordedLossState", "SAMPLERS", "MECHANISMS",
-           "COMPATIBLE", "CLIPPING_MODES", "CLIPPING_KWARGS", "check_clipping_kwargs", "per_group_by_regex",
+           "COMPATIBLE", "PRIVACY_UNITS", "CLIPPING_MODES", "CLIPPING_KWARGS", "check_clipping_kwargs", "per_group_by_regex",
            "regex_norms"]
 
 SAMPLERS = SAMPLING.names()
@@ -72,6 +72,9 @@ itself reads the registries, :func:`opake_fx.planning.mechanisms.compatible_pair
   these samplers is Monte Carlo and does not compose step by step; use
   :mod:`opake_fx.dpftrl.accounting` directly for it).
 """
+
+PRIVACY_UNITS = ("example", "user")
+"""What one unit of privacy is: an example, or a user with all of their examples (:mod:`opake_fx.users`)."""
 
 CLIPPING_MODES = CLIP_MODES.names()
 """How the plan clips: ``fixed`` (to ``clipping_norm``, one norm or per group), ``auto``
@@ -166,6 +169,16 @@ class DPPlan:
             ``dataset_size / min_sep`` (derived when not given).
         clip_backend: ``"vmap"``, ``"ghost"`` or ``"auto"`` (see ``clipped_grad``).
         accountant_kind: ``"pld"`` (default) or ``"rdp"``: how epsilon is measured.
+        privacy_unit: ``"example"`` (default) or ``"user"`` (user-level sampling,
+            :mod:`opake_fx.users`): every count of the plan is then of users
+            (``dataset_size`` the number of users, ``batch_size`` the expected users per
+            step), :meth:`sampler` draws users (``user_ids`` required), :meth:`pipeline`
+            makes each user's loss the mean over their examples and clips it as one unit,
+            and every epsilon is per user. ``sampling="poisson"``,
+            ``mechanism="gaussian"`` and ``augmult=1`` only (the other analyses over users
+            are not built).
+        max_examples_per_user: with ``privacy_unit="user"`` (required): the most examples
+            of one user in a step (``k``; a keyed random subset of a user who has more).
 
     Privacy contract: the pipeline clips each example to ``clipping_norm`` (per group:
     group g to ``C_g``; AUTO-S: scaled to norm below ``clipping_norm``; adaptive: to
@@ -204,6 +217,8 @@ class DPPlan:
     augmult: int = 1
     clipping_mode: str = "fixed"
     clipping_kwargs: Mapping[str, float] | None = None
+    privacy_unit: str = "example"
+    max_examples_per_user: int | None = None
 
     def __hash__(self) -> int:  # clipping_kwargs is a mapping: hash the canonical plain data
         return hash(json.dumps(self.to_dict(), sort_keys=True))
@@ -249,6 +264,7 @@ class DPPlan:
         sampling.check(self, b)
         check.choice(self.clip_backend, "clip_backend", "DPPlan", ("vmap", "ghost", "auto"))
         check.choice(self.accountant_kind, "accountant_kind", "DPPlan", ("pld", "rdp"))
+        self._check_privacy_unit()
         delta = None
         if self.delta is not None:
             delta = check.real(self.delta, "delta", "DPPlan", "e.g. 1e-5, below 1 / dataset_size")
@@ -266,14 +282,20 @@ class DPPlan:
 
     # --- what the plan builds ----------------------------------------------------------
 
-    def sampler(self, dataset: Any, key: RngKey, *, rank: int | None = None, world_size: int | None = None) -> Any:
+    def sampler(self, dataset: Any, key: RngKey, *, rank: int | None = None, world_size: int | None = None,
+                user_ids: Any = None) -> Any:
         """The batch sampler of this rank: Poisson batches of its shard, ``sample_rate``, ``steps``.
 
         Args:
-            dataset: the whole training set (its length must be ``dataset_size``).
+            dataset: the whole training set (its length must be ``dataset_size``; with
+                ``privacy_unit="user"``, its number of users must be).
             key: the sampler key (NOT the noise key); each rank uses ``fold_in(key, rank)``.
             rank, world_size: default: the current process group's (1 process: 0, 1); under a
                 process group, values other than the group's are refused.
+            user_ids: with ``privacy_unit="user"`` (required): one user id per example of
+                ``dataset``. The sampler is then a
+                :class:`~opake_fx.users.UserPoissonSampler` (one process only): iterate it and
+                stack each step's groups with :func:`~opake_fx.users.collate_users`.
 
         Returns:
             A ``DataLoader`` batch sampler yielding indices into ``dataset``, built by the
@@ -301,6 +323,14 @@ class DPPlan:
                 "leave rank and world_size out under a process group."
             )
 
+        if self.privacy_unit == "user":
+            return self._user_sampler(dataset, key, world_size if world_size is not None else get_world_size(),
+                                      user_ids)
+        if user_ids is not None:
+            raise InputValueError(
+                "DPPlan.sampler(user_ids=...) applies to privacy_unit='user'; this plan's unit is the example (its "
+                "epsilon would be per example). Build the plan with privacy_unit='user', dataset_size=<number of users>."
+            )
         if len(dataset) != self.dataset_size:
             raise InputValueError(
                 f"DPPlan.sampler: the dataset has {len(dataset)} examples but the plan was made for dataset_size="
@@ -315,6 +345,35 @@ class DPPlan:
         self._key_roles.claim(("sampler", key), ("sampler", local_key))
         inner = self.parts.sampling.build(self, range(start, stop), local_key, world_size)
         return OffsetSampler(inner, start) if start else inner
+
+    def _user_sampler(self, dataset: Any, key: RngKey, world_size: int, user_ids: Any) -> Any:
+        from opake_fx.users import UserIndex, UserPoissonSampler
+
+        if user_ids is None:
+            raise InputValueError(
+                "DPPlan(privacy_unit='user').sampler needs user_ids=...: one user id per example of the dataset (e.g. "
+                "a column of it); the users, not the examples, are what the sampler draws."
+            )
+        if world_size > 1:
+            raise InputValueError(
+                "DPPlan(privacy_unit='user').sampler runs in one process: under a process group a user's examples "
+                "must stay on one rank, which the plan does not arrange yet (issue 33)."
+            )
+        if len(user_ids) != len(dataset):
+            raise InputValueError(f"DPPlan.sampler: {len(user_ids)} user ids for a dataset of {len(dataset)} examples; "
+                                  "give one id per example.")
+        users = UserIndex(user_ids)
+        if users.n_users != self.dataset_size:
+            raise InputValueError(
+                f"DPPlan.sampler: the dataset has {users.n_users} users but the plan was made for dataset_size="
+                f"{self.dataset_size} (with privacy_unit='user' it counts users); the sample rate and the accounting "
+                "depend on it. Build the plan from UserIndex(user_ids).n_users."
+            )
+        if not isinstance(key, RngKey):
+            raise InputTypeError(f"DPPlan.sampler needs key=opake_fx.random.key(seed); got {type(key).__name__}.")
+        self._key_roles.claim(("sampler", key))
+        return UserPoissonSampler(users, sample_rate=self.sample_rate, max_examples=self.max_examples_per_user,
+                                  n_steps=self.steps, key=key)
 
     def pipeline(
         self,
@@ -351,7 +410,13 @@ class DPPlan:
             optimizer: a ``Transform`` from :mod:`opake_fx.optimizers`.
             key: the noise key (the SAME on every rank; not the sampler key).
             model: the functional model, for ``"ghost"``/``"auto"``.
-            batch_argnums: the positions of the batch tensors in ``loss_fn``.
+            batch_argnums: the positions of the batch tensors in ``loss_fn``. With
+                ``privacy_unit="user"``, ``loss_fn`` is written as for an example-level
+                plan (one example for ``"vmap"``, per-example losses ``[N]`` for the fast
+                backends) and the plan makes it a user's loss (:func:`opake_fx.users.user_loss`
+                / :func:`~opake_fx.users.batched_user_loss`): the batch is then
+                ``(*blocks, mask)`` from :func:`opake_fx.users.collate_users`, the mask one
+                position after the last of ``batch_argnums``.
             augment: with ``augmult > 1``: ``augment(keys [B, 2], x [B, ...]) -> [B, ...]``,
                 acting on each example alone (e.g. :func:`opake_fx.augmult.random_shift`).
             augment_key: with ``augmult > 1``: the augmentation key.
@@ -382,6 +447,11 @@ class DPPlan:
             raise InputTypeError(f"DPPlan.pipeline needs key=opake_fx.random.key(seed) (the noise key); got {type(key).__name__}.")
         self._key_roles.claim(("noise", key), *[(r, k) for r, k in (("count", count_key), ("augmentation", augment_key))
                                            if isinstance(k, RngKey)])
+        if self.privacy_unit == "user":  # one unit = one user's block of examples and its mask
+            from opake_fx.users import batched_user_loss, user_loss
+
+            loss_fn = (user_loss if self.clip_backend == "vmap" else batched_user_loss)(loss_fn)
+            batch_argnums = (*tuple(batch_argnums), max(batch_argnums) + 1)
         mode = self.parts.clip_mode
         noise_stage = self.parts.mechanism.noise_stage(self, key)
         clip_args: dict[str, Any] = dict(normalize_by=self.batch_size, batch_argnums=tuple(batch_argnums),
@@ -738,6 +808,8 @@ class DPPlan:
             pairs = sorted(([list(path), group] for path, group in c.groups.items()), key=repr)
             d["clipping_norm"] = {"groups": pairs, "values": dict(sorted(c.values.items()))}
         d["clipping_kwargs"] = dict(self.clipping_kwargs or {})
+        if self.privacy_unit == "example":  # an example-level plan's identity is what it was before the unit existed
+            del d["privacy_unit"], d["max_examples_per_user"]
         return d
 
     def run_cost(self, noise_multiplier: float, steps: int) -> Any:
@@ -775,6 +847,31 @@ class DPPlan:
     def _step_increments(self) -> list[Any]:
         """Per-step costs of a pattern-accounted (b-min-sep / balls-in-bins) plan, built once."""
         return self.parts.mechanism.step_increments(self)
+
+    def _check_privacy_unit(self) -> None:
+        unit = check.choice(self.privacy_unit, "privacy_unit", "DPPlan", PRIVACY_UNITS)
+        if unit == "example":
+            if self.max_examples_per_user is not None:
+                raise InputValueError(
+                    "DPPlan: max_examples_per_user applies to privacy_unit='user' only; this plan's unit is the example."
+                )
+            return
+        if self.max_examples_per_user is None:
+            raise InputValueError(
+                "DPPlan(privacy_unit='user') needs max_examples_per_user: the most examples of one user in a step "
+                "(e.g. 8); a user with more contributes a random subset of that many."
+            )
+        object.__setattr__(self, "max_examples_per_user",
+                           check.integer(self.max_examples_per_user, "max_examples_per_user", "DPPlan", minimum=1))
+        unsupported = [f"{name}={value!r}" for name, value, ok in (
+            ("sampling", self.sampling, "poisson"), ("mechanism", self.mechanism, "gaussian"),
+            ("augmult", self.augmult, 1)) if value != ok]
+        if unsupported:
+            raise InputValueError(
+                f"DPPlan(privacy_unit='user') is built for sampling='poisson', mechanism='gaussian' and augmult=1 "
+                f"(user-level Poisson sampling, accounted as DP-SGD over users); got {', '.join(unsupported)}. The "
+                "other samplers' and mechanisms' analyses over users are not built yet."
+            )
 
     def _need_delta(self, where: str) -> float:
         if self.delta is None:

@@ -251,6 +251,7 @@ def user_loss(example_loss: Callable[..., torch.Tensor]) -> Callable[..., torch.
 
     def loss(params: Any, *args: Any) -> torch.Tensor:
         *block, mask = args
+        _check_blocks(block, mask, 1, "user_loss")
         losses = torch.vmap(example_loss, in_dims=(None, *([0] * len(block))))(params, *block)
         kept = torch.where(mask, losses, torch.zeros((), dtype=losses.dtype, device=losses.device))
         return kept.sum() / mask.sum().clamp(min=1).to(losses.dtype)
@@ -279,6 +280,7 @@ def batched_user_loss(batch_loss: Callable[..., torch.Tensor]) -> Callable[..., 
 
     def loss(params: Any, *args: Any) -> torch.Tensor:
         *blocks, mask = args
+        _check_blocks(blocks, mask, 2, "batched_user_loss")
         users, k = mask.shape
         flat = [b.reshape(users * k, *b.shape[2:]) for b in blocks]
         losses = batch_loss(params, *flat).reshape(users, k)
@@ -286,3 +288,17 @@ def batched_user_loss(batch_loss: Callable[..., torch.Tensor]) -> Callable[..., 
         return kept.sum(1) / mask.sum(1).clamp(min=1).to(losses.dtype)
 
     return loss
+
+
+def _check_blocks(blocks: Sequence[Any], mask: Any, dims: int, where: str) -> None:
+    """Refuses a batch that is not user blocks and their mask (an example-level batch fed to a user-level loss)."""
+    shape = tuple(getattr(mask, "shape", ()))
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or len(shape) != dims or any(
+        not isinstance(b, torch.Tensor) or tuple(b.shape[:dims]) != shape for b in blocks
+    ):
+        got = [tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__ for b in (*blocks, mask)]
+        raise InputValueError(
+            f"{where}: the batch must be user blocks and their mask, as collate_users makes them (blocks [U, k, ...], "
+            f"a bool mask [U, k] last); got shapes {got}. An example-level batch here would be clipped as if each "
+            "row were a user."
+        )

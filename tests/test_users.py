@@ -137,3 +137,97 @@ def test_example_level_clipping_of_the_same_user_would_exceed_the_bound():
     out, _ = stage.update((x, y), stage.init(params), params)
     norm = torch.sqrt(sum((t ** 2).sum() for t in out.pytree))
     assert float(norm) > 3.0  # ~ 8 x 0.5: per-example clipping bounds each example, not the user
+
+
+# --- the privacy unit as a value of the plan ---------------------------------------------
+
+from opake_fx.optimizers import sgd  # noqa: E402
+from opake_fx.plan import DPPlan  # noqa: E402
+from opake_fx.serialization.runs import plan_identity  # noqa: E402
+from opake_fx.transforms import apply_updates  # noqa: E402
+
+
+def _user_data(n_users=30, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, n_users, (200,), generator=g)
+    ids[:n_users] = torch.arange(n_users)  # every user has an example
+    x = torch.randn(200, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (200,), generator=g)
+    return ids, x, y
+
+
+USER_PLAN = dict(dataset_size=30, batch_size=6, steps=5, clipping_norm=0.5, noise_multiplier=1.2, delta=1e-5,
+                 privacy_unit="user", max_examples_per_user=4)
+
+
+def test_a_user_plan_is_accounted_as_dp_sgd_over_users_and_keeps_example_plans_identity():
+    plan = DPPlan(**USER_PLAN)
+    over_users = DPPlan(**{k: v for k, v in USER_PLAN.items() if k not in ("privacy_unit", "max_examples_per_user")})
+    assert plan.epsilon() == over_users.epsilon() and plan.step_cost == over_users.step_cost
+    assert DPPlan(**plan.to_dict()) == plan and plan.to_dict()["privacy_unit"] == "user"
+    assert "privacy_unit" not in plan_identity(over_users)  # checkpoints of example-level plans still match
+
+
+def test_a_user_plan_samples_users_and_clips_each_user_once():
+    fmodel, params = _model()
+    ids, x, y = _user_data()
+    plan = DPPlan(**USER_PLAN, clip_backend="auto")
+    sampler = plan.sampler(x, key(1), user_ids=ids)
+    assert isinstance(sampler, UserPoissonSampler) and sampler.max_examples == 4
+    batch_loss = lambda p, xb, yb: F.cross_entropy(fmodel(p, xb), yb, reduction="none")  # noqa: E731
+    pipeline = plan.pipeline(batch_loss, sgd(0.1), key=key(0), model=fmodel)
+    state = pipeline.init(params)
+    groups = sampler.batch(0)
+    blocks, mask = collate_users((x, y), groups, max_examples=4)
+    updates, state = pipeline.update((*blocks, mask), state, params)
+    assert all(torch.isfinite(u).all() for u in updates)
+    # the clip stage alone equals the float64 per-user loop (divided by the expected users per step)
+    stage = clip(batched_user_loss(batch_loss), clipping_norm=0.5, batch_argnums=(1, 2, 3), clip_backend="auto",
+                 model=fmodel, normalize_by=plan.batch_size)
+    out, _ = stage.update((*blocks, mask), stage.init(params), params)
+    for got, want in zip(out.pytree, _reference(fmodel, [p.detach().requires_grad_(True) for p in params], blocks,
+                                                 mask, 0.5)):
+        torch.testing.assert_close(got, want / plan.batch_size, rtol=1e-9, atol=1e-12)
+
+
+def test_mixing_units_is_refused():
+    fmodel, params = _model()
+    ids, x, y = _user_data()
+    user_plan = DPPlan(**USER_PLAN)
+    pipeline = user_plan.pipeline(lambda p, xi, yi: F.cross_entropy(fmodel(p, xi[None]), yi[None]), sgd(0.1),
+                                  key=key(0))
+    with pytest.raises(InputValueError, match="user blocks and their mask"):  # an example-level batch
+        pipeline.update((x[:5], y[:5], torch.ones(5, dtype=torch.bool)), pipeline.init(params), params)
+    with pytest.raises(InputValueError, match="needs user_ids"):
+        user_plan.sampler(x, key(1))
+    with pytest.raises(InputValueError, match="31 users but the plan was made for dataset_size=30"):
+        user_plan.sampler(torch.zeros(201), key(1), user_ids=torch.cat([ids, torch.tensor([99])]))
+    example_plan = DPPlan(**{k: v for k, v in USER_PLAN.items() if k not in ("privacy_unit", "max_examples_per_user")})
+    with pytest.raises(InputValueError, match="applies to privacy_unit='user'"):
+        example_plan.sampler(range(30), key(1), user_ids=ids)
+    with pytest.raises(InputValueError, match="needs max_examples_per_user"):
+        DPPlan(**{**USER_PLAN, "max_examples_per_user": None})
+    with pytest.raises(InputValueError, match="sampling='truncated_poisson'"):
+        DPPlan(**USER_PLAN, sampling="truncated_poisson", max_batch_size=10)
+    with pytest.raises(InputValueError, match="max_examples_per_user applies to privacy_unit='user'"):
+        DPPlan(**{**USER_PLAN, "privacy_unit": "example"})
+
+
+def test_a_user_plan_trains_and_its_sampler_checkpoints():
+    import tempfile
+
+    fmodel, params = _model()
+    ids, x, y = _user_data()
+    plan = DPPlan(**USER_PLAN)
+    pipeline = plan.pipeline(lambda p, xi, yi: F.cross_entropy(fmodel(p, xi[None]), yi[None]), sgd(0.1), key=key(0))
+    sampler, acct, state = plan.sampler(x, key(1), user_ids=ids), plan.accountant(), pipeline.init(params)
+    for t, groups in zip(range(2), sampler):
+        acct.step(plan.step_cost_at(t))
+        blocks, mask = collate_users((x, y), groups, max_examples=4)
+        updates, state = pipeline.update((*blocks, mask), state, params)
+        params = apply_updates(params, updates)
+    path = tempfile.mkdtemp() + "/run.pt"
+    assert plan.save_checkpoint(path, params=params, state=state, sampler=sampler, accountant=acct) == 2
+    back = plan.load_checkpoint(path, params=params, state=pipeline.init(params),
+                                sampler=plan.sampler(x, key(1), user_ids=ids), accountant=plan.accountant())
+    assert back["sampler"].next_step == 2 and back["sampler"].batch(3) == sampler.batch(3)

@@ -28,6 +28,7 @@ from opake_fx.random import RngKey, fold_in, normal
 from opake_fx.serialization._registry import register_serializer
 from opake_fx.serialization.tree import state_dict
 from opake_fx.types import PerGroup
+from opake_fx.users import UserPoissonSampler
 
 # A key is one int64 tensor [hi, lo]: its path names the key, and the dtype rule of
 # from_state_dict (integer tensors must match exactly) keeps a float from becoming a key.
@@ -53,7 +54,8 @@ def _sampler_from_tree(template: Any, tree: dict[str, Any]) -> Any:
     return sampler
 
 
-for _cls in (PoissonSampler, SequentialBatchSampler, CyclicPoissonSampler, BallsInBinsSampler, MinSepSampler, FixedEpochSampler):
+for _cls in (PoissonSampler, SequentialBatchSampler, CyclicPoissonSampler, BallsInBinsSampler, MinSepSampler, FixedEpochSampler,
+             UserPoissonSampler):
     register_serializer(_cls, to_tree=lambda s: s.state_dict(), from_tree=_sampler_from_tree)
 
 
