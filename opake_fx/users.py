@@ -57,7 +57,8 @@ from opake_fx.random import RngKey, fold_in, split
 from opake_fx.sampling_base import KeyedSampler, poisson_indices, uniform53
 from opake_fx.typing import typechecked
 
-__all__ = ["UserIndex", "UserPoissonSampler", "collate_users", "user_loss", "batched_user_loss"]
+__all__ = ["UserIndex", "UserPoissonSampler", "collate_users", "user_loss", "batched_user_loss",
+           "cap_examples_per_user", "user_epsilon_of_examples"]
 
 
 class UserIndex:
@@ -288,6 +289,58 @@ def batched_user_loss(batch_loss: Callable[..., torch.Tensor]) -> Callable[..., 
         return kept.sum(1) / mask.sum(1).clamp(min=1).to(losses.dtype)
 
     return loss
+
+
+def cap_examples_per_user(users: UserIndex, max_examples: int, key: RngKey) -> list[int]:
+    """Example-level sampling with a per-user cap (ELS): the examples kept, at most ``max_examples`` per user.
+
+    A user with more keeps a uniformly random subset of ``max_examples`` (drawn once from
+    ``fold_in(key, user)``); train example-level on the kept examples (e.g.
+    ``torch.utils.data.Subset(dataset, kept)``) and measure the user-level epsilon with
+    :func:`user_epsilon_of_examples` on their user index.
+
+    Privacy: which examples are kept depends on the key and the users' counts only. The
+    cap is what makes a user a group of at most ``max_examples`` examples.
+
+    Example:
+        >>> from opake_fx.random import key
+        >>> users = UserIndex([0, 0, 0, 1])
+        >>> kept = cap_examples_per_user(users, 2, key(0))
+        >>> len(kept), 3 in kept
+        (3, True)
+    """
+    k = check.integer(max_examples, "max_examples", "cap_examples_per_user", minimum=1)
+    kept: list[int] = []
+    for u, own in enumerate(users._examples):
+        if len(own) > k:
+            order = torch.argsort(uniform53(fold_in(key, u), len(own)))[:k]
+            own = sorted(own[i] for i in order.tolist())
+        kept.extend(own)
+    return sorted(kept)
+
+
+def user_epsilon_of_examples(process: Any, users: UserIndex, delta: float, *, accountant: str = "pld") -> float:
+    """The per-user epsilon of an example-level run: group privacy for the largest user.
+
+    ``process`` is the run's example-level :class:`~opake_fx.accounting.DpProcess` (e.g.
+    ``plan.run_cost(plan.noise_multiplier, plan.steps)`` of an example-level plan) and
+    ``users`` the user index *of the examples it trained on*: the group size is measured,
+    the largest user's number of examples, never assumed, so a user with more examples
+    than intended is counted as the larger group they are
+    (:func:`opake_fx.accounting.group_epsilon`).
+
+    Privacy: valid for add-or-remove-one-user neighbours whenever ``process`` is valid for
+    add-or-remove-one-example neighbours and ``users`` describes the training set.
+
+    Example:
+        >>> from opake_fx.dpsgd.accounting import gaussian
+        >>> eps_user = user_epsilon_of_examples(gaussian(8.0) * 4, UserIndex([0, 0, 1]), 1e-6)
+        >>> eps_user > 2 * (gaussian(8.0) * 4).epsilon_at(1e-6)
+        True
+    """
+    from opake_fx.accounting.group import group_epsilon
+
+    return group_epsilon(process, max(users.counts()), delta, accountant=accountant)
 
 
 def _check_blocks(blocks: Sequence[Any], mask: Any, dims: int, where: str) -> None:

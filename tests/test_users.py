@@ -231,3 +231,51 @@ def test_a_user_plan_trains_and_its_sampler_checkpoints():
     back = plan.load_checkpoint(path, params=params, state=pipeline.init(params),
                                 sampler=plan.sampler(x, key(1), user_ids=ids), accountant=plan.accountant())
     assert back["sampler"].next_step == 2 and back["sampler"].batch(3) == sampler.batch(3)
+
+
+# --- example-level sampling with a per-user cap (ELS) and group privacy ------------------
+
+from opake_fx.accounting import group_delta, group_epsilon  # noqa: E402
+from opake_fx.dpsgd.accounting import gaussian, poisson  # noqa: E402
+from opake_fx.users import cap_examples_per_user, user_epsilon_of_examples  # noqa: E402
+
+
+def test_group_delta_is_the_lemmas_sum():
+    for eps, d, k in [(0.3, 1e-7, 5), (2.0, 1e-9, 3), (1e-9, 1e-6, 4)]:
+        assert math.isclose(group_delta(eps, d, k), d * sum(math.exp(i * eps) for i in range(k)), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_group_epsilon_bounds_the_exact_group_mechanism_and_is_the_lemmas_best(k):
+    """Unsampled Gaussian: a group of k moves the sum by k * C, exactly gaussian(sigma / k). The lemma's
+    epsilon must be at least that exact one (validity), and equal to a direct search over example deltas."""
+    sigma, delta = 6.0, 1e-6
+    got = group_epsilon(gaussian(sigma), k, delta)
+    exact = gaussian(sigma / k).epsilon_at(delta)
+    assert got >= exact
+    direct = min(k * gaussian(sigma).epsilon_at(d) for d in (delta / k * 10 ** (-24 * j / 96) for j in range(97))
+                 if group_delta(gaussian(sigma).epsilon_at(d), d, k) <= delta)
+    assert got == direct
+
+
+def test_els_caps_users_and_measures_the_group_from_the_data():
+    ids = [0] * 30 + [1] * 5 + [2] * 2
+    users = UserIndex(ids)
+    kept = cap_examples_per_user(users, 4, key(9))
+    assert kept == sorted(kept) and len(kept) == 4 + 4 + 2
+    assert set(kept) >= {35, 36} and len(set(kept) & set(range(30))) == 4
+    capped = UserIndex([ids[i] for i in kept])
+    run = poisson(gaussian(3.0), 0.05) * 50
+    capped_eps = user_epsilon_of_examples(run, capped, 1e-5)
+    assert capped_eps == group_epsilon(run, 4, 1e-5) < math.inf
+    # the uncapped data: the group is the user with 30 examples, never 4 (and the lemma gives nothing for it)
+    assert user_epsilon_of_examples(run, users, 1e-5) == group_epsilon(run, 30, 1e-5) == math.inf
+
+
+def test_sampling_users_protects_a_user_better_than_capping_examples_at_the_same_noise():
+    """1000 users with k = 8 examples each, 512 examples a step either way (64 users x 8, or 512 examples),
+    the same noise multiplier: per user, ULS costs one unit's epsilon, ELS a group of 8's."""
+    n_users, k, sigma, steps = 1000, 8, 4.0, 200
+    uls = (poisson(gaussian(sigma), 64 / n_users) * steps).epsilon_at(1e-6)
+    els = group_epsilon(poisson(gaussian(sigma), 512 / (n_users * k)) * steps, k, 1e-6)
+    assert 3 * uls < els < math.inf

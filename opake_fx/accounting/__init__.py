@@ -23,6 +23,7 @@ from opake_fx.accounting.budgets import (
     epsilon_budget,
 )
 from opake_fx.accounting.calibrate import PARAMETER_RANGES, CalibrateResult, calibrate
+from opake_fx.accounting.group import group_delta, group_epsilon
 from opake_fx.accounting.mechanisms import (
     AdaptiveClippingGaussian,
     EpsDelta,
@@ -52,6 +53,8 @@ from opake_fx.accounting.process import (
 from opake_fx.accounting.rdp import DEFAULT_RDP_ORDERS
 
 __all__ = [
+    "group_delta",
+    "group_epsilon",
     "DpProcess",
     "identity",
     "nonprivate",
