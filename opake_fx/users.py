@@ -186,12 +186,7 @@ class UserPoissonSampler(KeyedSampler):
         users_key, subset_key = split(self.step_key(step))
         groups = []
         for u in poisson_indices(users_key, self.dataset_size, self.sample_rate).tolist():
-            own = self.users._examples[u]
-            if len(own) > self.max_examples:
-                # the max_examples smallest of one uniform per example: a uniformly random subset
-                order = torch.argsort(uniform53(fold_in(subset_key, u), len(own)))[: self.max_examples]
-                own = sorted(own[i] for i in order.tolist())
-            groups.append(list(own))
+            groups.append(_keyed_subset(self.users._examples[u], self.max_examples, fold_in(subset_key, u)))
         return groups
 
 
@@ -312,10 +307,7 @@ def cap_examples_per_user(users: UserIndex, max_examples: int, key: RngKey) -> l
     k = check.integer(max_examples, "max_examples", "cap_examples_per_user", minimum=1)
     kept: list[int] = []
     for u, own in enumerate(users._examples):
-        if len(own) > k:
-            order = torch.argsort(uniform53(fold_in(key, u), len(own)))[:k]
-            own = sorted(own[i] for i in order.tolist())
-        kept.extend(own)
+        kept.extend(_keyed_subset(own, k, fold_in(key, u)))
     return sorted(kept)
 
 
@@ -341,6 +333,15 @@ def user_epsilon_of_examples(process: Any, users: UserIndex, delta: float, *, ac
     from opake_fx.accounting.group import group_epsilon
 
     return group_epsilon(process, max(users.counts()), delta, accountant=accountant)
+
+
+def _keyed_subset(own: list[int], k: int, key: RngKey) -> list[int]:
+    """All of ``own`` when it has at most ``k``, else a uniformly random ``k`` of them, sorted: the ``k``
+    smallest of one keyed uniform per element."""
+    if len(own) <= k:
+        return list(own)
+    order = torch.argsort(uniform53(key, len(own)))[:k]
+    return sorted(own[i] for i in order.tolist())
 
 
 def _check_blocks(blocks: Sequence[Any], mask: Any, dims: int, where: str) -> None:
