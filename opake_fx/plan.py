@@ -294,8 +294,10 @@ class DPPlan:
                 process group, values other than the group's are refused.
             user_ids: with ``privacy_unit="user"`` (required): one user id per example of
                 ``dataset``. The sampler is then a
-                :class:`~opake_fx.users.UserPoissonSampler` (one process only): iterate it and
-                stack each step's groups with :func:`~opake_fx.users.collate_users`.
+                :class:`~opake_fx.users.UserPoissonSampler` over this rank's users (whole
+                users per rank, ``fold_in(key, rank)``; its groups index the whole
+                dataset): iterate it and stack each step's groups with
+                :func:`~opake_fx.users.collate_users`.
 
         Returns:
             A ``DataLoader`` batch sampler yielding indices into ``dataset``, built by the
@@ -324,8 +326,8 @@ class DPPlan:
             )
 
         if self.privacy_unit == "user":
-            return self._user_sampler(dataset, key, world_size if world_size is not None else get_world_size(),
-                                      user_ids)
+            return self._user_sampler(dataset, key, get_rank() if rank is None else rank,
+                                      get_world_size() if world_size is None else world_size, user_ids)
         if user_ids is not None:
             raise InputValueError(
                 "DPPlan.sampler(user_ids=...) applies to privacy_unit='user'; this plan's unit is the example (its "
@@ -346,18 +348,14 @@ class DPPlan:
         inner = self.parts.sampling.build(self, range(start, stop), local_key, world_size)
         return OffsetSampler(inner, start) if start else inner
 
-    def _user_sampler(self, dataset: Any, key: RngKey, world_size: int, user_ids: Any) -> Any:
+    def _user_sampler(self, dataset: Any, key: RngKey, rank: int, world_size: int, user_ids: Any) -> Any:
+        from opake_fx.distributed import shard_bounds
         from opake_fx.users import UserIndex, UserPoissonSampler
 
         if user_ids is None:
             raise InputValueError(
                 "DPPlan(privacy_unit='user').sampler needs user_ids=...: one user id per example of the dataset (e.g. "
                 "a column of it); the users, not the examples, are what the sampler draws."
-            )
-        if world_size > 1:
-            raise InputValueError(
-                "DPPlan(privacy_unit='user').sampler runs in one process: under a process group a user's examples "
-                "must stay on one rank, which the plan does not arrange yet (issue 33)."
             )
         if len(user_ids) != len(dataset):
             raise InputValueError(f"DPPlan.sampler: {len(user_ids)} user ids for a dataset of {len(dataset)} examples; "
@@ -371,9 +369,11 @@ class DPPlan:
             )
         if not isinstance(key, RngKey):
             raise InputTypeError(f"DPPlan.sampler needs key=opake_fx.random.key(seed); got {type(key).__name__}.")
-        self._key_roles.claim(("sampler", key))
-        return UserPoissonSampler(users, sample_rate=self.sample_rate, max_examples=self.max_examples_per_user,
-                                  n_steps=self.steps, key=key)
+        local_key = fold_in(key, rank) if world_size > 1 else key
+        self._key_roles.claim(("sampler", key), ("sampler", local_key))
+        start, stop = shard_bounds(users.n_users, rank, world_size)  # whole users per rank, never split
+        return UserPoissonSampler(users.shard(start, stop) if world_size > 1 else users, sample_rate=self.sample_rate,
+                                  max_examples=self.max_examples_per_user, n_steps=self.steps, key=local_key)
 
     def pipeline(
         self,

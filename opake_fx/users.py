@@ -123,6 +123,23 @@ class UserIndex:
         """The number of examples of each user."""
         return [len(e) for e in self._examples]
 
+    def shard(self, start: int, stop: int) -> UserIndex:
+        """The users ``start .. stop - 1`` only (renumbered from 0), with their examples' indices in the
+        whole data set: one rank's users under ``torch.distributed``, so that a user's examples never
+        straddle ranks.
+
+        Example:
+            >>> UserIndex([0, 1, 0, 2]).shard(1, 3).examples_of(1)
+            [3]
+        """
+        n = self.n_users
+        lo = check.integer(start, "start", "UserIndex.shard", minimum=0, maximum=n)
+        hi = check.integer(stop, "stop", "UserIndex.shard", minimum=lo, maximum=n)
+        part = object.__new__(UserIndex)
+        part.users, part._examples = self.users[lo:hi], [list(e) for e in self._examples[lo:hi]]
+        part.n_examples = self.n_examples
+        return part
+
 
 class UserPoissonSampler(KeyedSampler):
     """User-level Poisson sampling: each user joins a step with probability ``sample_rate``,
@@ -146,9 +163,9 @@ class UserPoissonSampler(KeyedSampler):
     sampling that ``poisson(gaussian(nm), sample_rate)`` charges per step with users as
     the units (add-or-remove-one user). The subset of a user's examples is a function of
     the key, the step, the user's number and count only, never of the examples' content.
-    One process only: under ``torch.distributed`` a user's examples must stay on one rank,
-    which this sampler does not arrange (it refuses nothing by itself; give each rank a
-    :class:`UserIndex` of its own users and ``fold_in(key, rank)``).
+    Under ``torch.distributed`` give each rank the :meth:`UserIndex.shard` of its users and
+    ``fold_in(key, rank)`` (``DPPlan.sampler`` does): a user's examples then never straddle
+    ranks, and the union of the ranks' draws is this sampler over all users.
 
     Example:
         >>> from opake_fx.random import key
