@@ -34,7 +34,7 @@ from types import MappingProxyType
 from typing import Any
 
 import opake_fx.validation as check
-from opake_fx.errors import InputTypeError, InputValueError
+from opake_fx.errors import CalibrationError, InputTypeError, InputValueError
 from opake_fx.planning.clip_modes import CLIP_MODES, ClipMode, check_clipping_kwargs
 from opake_fx.planning.clip_norms import clipping_norm_value, per_group_by_regex, regex_norms
 from opake_fx.planning.key_roles import KeyRoles
@@ -43,7 +43,7 @@ from opake_fx.planning.mechanisms import MECHANISMS as MECHANISM_PARTS
 from opake_fx.planning.mechanisms import NoiseMechanism, compatible_pairs
 from opake_fx.planning.participation import Participation
 from opake_fx.planning.samplers import SAMPLING, OffsetSampler, SamplingScheme, shard_sampler
-from opake_fx.random import RngKey, fold_in
+from opake_fx.random import RngKey, fold_in, split
 from opake_fx.types import PerGroup
 
 __all__ = ["DPPlan", "PlanParts", "KeyRoles", "Participation", "RecordedLossState", "SAMPLERS", "MECHANISMS",
@@ -75,6 +75,10 @@ itself reads the registries, :func:`opake_fx.planning.mechanisms.compatible_pair
 
 PRIVACY_UNITS = ("example", "user")
 """What one unit of privacy is: an example, or a user with all of their examples (:mod:`opake_fx.users`)."""
+
+USER_SAMPLINGS = ("users", "examples")
+"""How a ``privacy_unit="user"`` plan samples: users (ULS, each drawn user one clipped unit), or examples
+with every user capped at ``max_examples_per_user`` and the user protected as a group (ELS)."""
 
 CLIPPING_MODES = CLIP_MODES.names()
 """How the plan clips: ``fixed`` (to ``clipping_norm``, one norm or per group), ``auto``
@@ -179,6 +183,15 @@ class DPPlan:
             are not built).
         max_examples_per_user: with ``privacy_unit="user"`` (required): the most examples
             of one user in a step (``k``; a keyed random subset of a user who has more).
+        user_sampling: with ``privacy_unit="user"``: ``"users"`` (default; user-level
+            sampling, as above) or ``"examples"`` (example-level sampling with each user
+            capped at ``k`` examples: :meth:`sampler` keeps a keyed subset of at most ``k``
+            examples per user once for the run and Poisson-samples the kept examples;
+            ``dataset_size`` counts the kept examples,
+            ``UserIndex(user_ids).capped_size(k)``; the pipeline clips each example; the
+            per-user epsilon is the example-level run's by group privacy for ``k``,
+            :func:`~opake_fx.accounting.group_epsilon`, and ``target_epsilon`` is per user).
+            Not with ``clipping_mode="adaptive"``.
 
     Privacy contract: the pipeline clips each example to ``clipping_norm`` (per group:
     group g to ``C_g``; AUTO-S: scaled to norm below ``clipping_norm``; adaptive: to
@@ -219,6 +232,7 @@ class DPPlan:
     clipping_kwargs: Mapping[str, float] | None = None
     privacy_unit: str = "example"
     max_examples_per_user: int | None = None
+    user_sampling: str | None = None
 
     def __hash__(self) -> int:  # clipping_kwargs is a mapping: hash the canonical plain data
         return hash(json.dumps(self.to_dict(), sort_keys=True))
@@ -326,8 +340,9 @@ class DPPlan:
             )
 
         if self.privacy_unit == "user":
-            return self._user_sampler(dataset, key, get_rank() if rank is None else rank,
-                                      get_world_size() if world_size is None else world_size, user_ids)
+            make = self._user_sampler if self.user_sampling == "users" else self._capped_sampler
+            return make(dataset, key, get_rank() if rank is None else rank,
+                        get_world_size() if world_size is None else world_size, user_ids)
         if user_ids is not None:
             raise InputValueError(
                 "DPPlan.sampler(user_ids=...) applies to privacy_unit='user'; this plan's unit is the example (its "
@@ -348,27 +363,56 @@ class DPPlan:
         inner = self.parts.sampling.build(self, range(start, stop), local_key, world_size)
         return OffsetSampler(inner, start) if start else inner
 
-    def _user_sampler(self, dataset: Any, key: RngKey, rank: int, world_size: int, user_ids: Any) -> Any:
+    def _capped_sampler(self, dataset: Any, key: RngKey, rank: int, world_size: int, user_ids: Any) -> Any:
+        """ELS: the plan's example sampler over the examples kept by a per-user cap, as indices of ``dataset``."""
         from opake_fx.distributed import shard_bounds
-        from opake_fx.users import UserIndex, UserPoissonSampler
+        from opake_fx.users import cap_examples_per_user
+
+        users = self._user_index(dataset, key, user_ids)
+        k = self.max_examples_per_user
+        if users.capped_size(k) != self.dataset_size:
+            raise InputValueError(
+                f"DPPlan.sampler: capping each user at max_examples_per_user={k} keeps {users.capped_size(k)} "
+                f"examples but the plan was made for dataset_size={self.dataset_size} (with user_sampling='examples' "
+                "it counts the kept examples); the sample rate depends on it. Build the plan with "
+                "dataset_size=UserIndex(user_ids).capped_size(max_examples_per_user)."
+            )
+        cap_key, sample_key = split(key)  # the cap is the same on every rank; each rank samples its shard
+        kept = cap_examples_per_user(users, k, cap_key)
+        start, stop = shard_bounds(len(kept), rank, world_size)
+        local_key = fold_in(sample_key, rank) if world_size > 1 else sample_key
+        self._key_roles.claim(("sampler", key), ("sampler", local_key))
+        return OffsetSampler(self.parts.sampling.build(self, range(start, stop), local_key, world_size), start,
+                             indices=kept)
+
+    def _user_index(self, dataset: Any, key: RngKey, user_ids: Any) -> Any:
+        """The :class:`~opake_fx.users.UserIndex` of ``user_ids``, checked against ``dataset`` and the key."""
+        from opake_fx.users import UserIndex
 
         if user_ids is None:
             raise InputValueError(
                 "DPPlan(privacy_unit='user').sampler needs user_ids=...: one user id per example of the dataset (e.g. "
-                "a column of it); the users, not the examples, are what the sampler draws."
+                "a column of it); the users, not the examples, are what the plan protects."
             )
         if len(user_ids) != len(dataset):
             raise InputValueError(f"DPPlan.sampler: {len(user_ids)} user ids for a dataset of {len(dataset)} examples; "
-                                  "give one id per example.")
-        users = UserIndex(user_ids)
+                                  "give one user id per example.")
+        if not isinstance(key, RngKey):
+            raise InputTypeError(f"DPPlan.sampler needs key=opake_fx.random.key(seed); got {type(key).__name__}.")
+        return UserIndex(user_ids)
+
+    def _user_sampler(self, dataset: Any, key: RngKey, rank: int, world_size: int, user_ids: Any) -> Any:
+        """ULS: a :class:`~opake_fx.users.UserPoissonSampler` over this rank's whole users."""
+        from opake_fx.distributed import shard_bounds
+        from opake_fx.users import UserPoissonSampler
+
+        users = self._user_index(dataset, key, user_ids)
         if users.n_users != self.dataset_size:
             raise InputValueError(
                 f"DPPlan.sampler: the dataset has {users.n_users} users but the plan was made for dataset_size="
                 f"{self.dataset_size} (with privacy_unit='user' it counts users); the sample rate and the accounting "
                 "depend on it. Build the plan from UserIndex(user_ids).n_users."
             )
-        if not isinstance(key, RngKey):
-            raise InputTypeError(f"DPPlan.sampler needs key=opake_fx.random.key(seed); got {type(key).__name__}.")
         local_key = fold_in(key, rank) if world_size > 1 else key
         self._key_roles.claim(("sampler", key), ("sampler", local_key))
         start, stop = shard_bounds(users.n_users, rank, world_size)  # whole users per rank, never split
@@ -447,7 +491,7 @@ class DPPlan:
             raise InputTypeError(f"DPPlan.pipeline needs key=opake_fx.random.key(seed) (the noise key); got {type(key).__name__}.")
         self._key_roles.claim(("noise", key), *[(r, k) for r, k in (("count", count_key), ("augmentation", augment_key))
                                            if isinstance(k, RngKey)])
-        if self.privacy_unit == "user":  # one unit = one user's block of examples and its mask
+        if self.user_sampling == "users":  # one unit = one user's block of examples and its mask
             from opake_fx.users import batched_user_loss, user_loss
 
             loss_fn = (user_loss if self.clip_backend == "vmap" else batched_user_loss)(loss_fn)
@@ -641,7 +685,12 @@ class DPPlan:
         delta = self._need_delta("accountant")
         # A plan given a noise multiplier has no target: its budget is the whole run's epsilon, with
         # room for the accountant's step-by-step composition (up to ~1e-5 above the one-shot one).
-        eps = self.target_epsilon if self.target_epsilon is not None else self.epsilon() * (1.0 + _RUNNING_SLACK)
+        # An ELS plan's accountant counts examples: its budget is the planned run's epsilon per example
+        # (the per-user guarantee is that run's, by group privacy: spent_epsilons).
+        if self.user_sampling == "examples":
+            eps = self._example_epsilon(self.steps) * (1.0 + _RUNNING_SLACK)
+        else:
+            eps = self.target_epsilon if self.target_epsilon is not None else self.epsilon() * (1.0 + _RUNNING_SLACK)
         if math.isinf(eps):
             if self.noise_multiplier == 0:
                 raise InputValueError(
@@ -654,22 +703,111 @@ class DPPlan:
                 "against. Give a noise multiplier that yields a finite epsilon (or target_epsilon to calibrate one), "
                 "or noise_multiplier=0 for an explicit non-private baseline."
             )
-        return acc.Accountant(acc.epsilon_budget(eps, delta, accountant=self.accountant_kind))
+        return acc.Accountant(acc.epsilon_budget(eps, delta, accountant=self.accountant_kind, unit=self._accounted_unit))
 
     def epsilon(self, steps: int | None = None) -> float:
-        """Epsilon at ``delta`` after ``steps`` steps (default: the whole run); inf for ``noise_multiplier=0``.
+        """Epsilon at ``delta`` after ``steps`` steps (default: the whole run), in the plan's unit.
+
+        Per example for an example-level plan, per user for ``privacy_unit="user"``
+        (:attr:`epsilon_unit` says which; :meth:`epsilons` gives every unit that applies);
+        inf for ``noise_multiplier=0``.
 
         Example:
             >>> DPPlan(dataset_size=1000, batch_size=10, steps=100, noise_multiplier=0.0, delta=1e-5).epsilon()
             inf
         """
-        delta = self._need_delta("epsilon")
+        if self.user_sampling == "examples":
+            return self.epsilons(steps)["per_user"]
+        return self._example_epsilon(self._steps_arg(steps, "epsilon"))
+
+    @property
+    def epsilon_unit(self) -> str:
+        """``"per example"`` or ``"per user"``: the unit of :meth:`epsilon` and of ``target_epsilon``.
+
+        Example:
+            >>> DPPlan(dataset_size=100, batch_size=10, steps=5, noise_multiplier=1.0, delta=1e-5).epsilon_unit
+            'per example'
+        """
+        return f"per {self.privacy_unit}"
+
+    def epsilons(self, steps: int | None = None) -> dict[str, float]:
+        """Epsilon at ``delta`` after ``steps`` steps in every unit the plan protects, keyed by unit.
+
+        ``{"per_example": ...}`` for an example-level plan; ``{"per_user": ...}`` with
+        user-level sampling (each user is one unit); ``{"per_example": ..., "per_user":
+        ...}`` with ``user_sampling="examples"``, the per-user epsilon by group privacy for
+        ``max_examples_per_user`` (:func:`~opake_fx.accounting.group_epsilon`: the smaller
+        of the group privacy lemma and RDP's group property).
+
+        Example:
+            >>> plan = DPPlan(dataset_size=400, batch_size=40, steps=20, noise_multiplier=2.0, delta=1e-5,
+            ...               privacy_unit="user", max_examples_per_user=4, user_sampling="examples")
+            >>> e = plan.epsilons()
+            >>> sorted(e), e["per_user"] > 4 * e["per_example"] > 0
+            (['per_example', 'per_user'], True)
+        """
+        n = self._steps_arg(steps, "epsilons")
+        if self.user_sampling != "examples":
+            return {self.epsilon_unit.replace(" ", "_"): self._example_epsilon(n)}
+        return {"per_example": self._example_epsilon(n), "per_user": self._group_epsilon(self.noise_multiplier, n)}
+
+    def spent_epsilons(self, accountant: Any) -> dict[str, float]:
+        """What ``accountant`` (this plan's :meth:`accountant`) has spent, at ``delta``, in every unit, as :meth:`epsilons`.
+
+        Raises:
+            InputValueError: ``accountant`` counts another unit than this plan's (e.g. an
+                example-level accountant for a user-level plan): mixing units is refused.
+
+        Example:
+            >>> plan = DPPlan(dataset_size=100, batch_size=10, steps=5, noise_multiplier=1.0, delta=1e-5,
+            ...               privacy_unit="user", max_examples_per_user=2)
+            >>> acct = plan.accountant()
+            >>> acct.step(plan.step_cost)
+            >>> list(plan.spent_epsilons(acct)) == ["per_user"], plan.spent_epsilons(acct)["per_user"] == acct.epsilon
+            (True, True)
+        """
+        delta = self._need_delta("spent_epsilons")
+        unit = getattr(getattr(accountant, "budget", None), "unit", None)
+        if unit != self._accounted_unit:
+            raise InputValueError(
+                f"DPPlan.spent_epsilons: the accountant counts {unit!r} units but this plan's accountant counts "
+                f"{self._accounted_unit!r} units; epsilons of different units do not mix. Use plan.accountant()."
+            )
+        spent = float(accountant.spent_epsilon(delta))
+        if self.user_sampling != "examples":
+            return {self.epsilon_unit.replace(" ", "_"): spent}
+        from opake_fx.accounting import group_epsilon
+
+        k = self.max_examples_per_user
+        return {"per_example": spent,
+                "per_user": group_epsilon(accountant.spent, k, delta, accountant=self.accountant_kind)}
+
+    @property
+    def _accounted_unit(self) -> str:
+        """The unit the plan's accountant counts: the user with user-level sampling, else the example."""
+        return "user" if self.user_sampling == "users" else "example"
+
+    def _steps_arg(self, steps: int | None, where: str) -> int:
         n = self.steps if steps is None else check.integer(steps, "steps", "DPPlan", minimum=0)
         if n > self.steps:
-            raise InputValueError(f"DPPlan.epsilon: the plan has {self.steps} steps; got steps={n}.")
+            raise InputValueError(f"DPPlan.{where}: the plan has {self.steps} steps; got steps={n}.")
+        return n
+
+    def _example_epsilon(self, n: int) -> float:
+        """The run's first ``n`` steps' epsilon at ``delta``, per accounted unit (example, or user with ULS)."""
+        delta = self._need_delta("epsilon")
         if self.noise_multiplier == 0:
             return math.inf if n > 0 else 0.0
         return self.run_cost(self.noise_multiplier, n).epsilon_at(delta, accountant=self.accountant_kind)
+
+    def _group_epsilon(self, nm: float, n: int) -> float:
+        """ELS: the per-user epsilon of the first ``n`` steps at ``nm``: group privacy for ``max_examples_per_user``."""
+        from opake_fx.accounting import group_epsilon
+
+        if nm == 0:
+            return math.inf if n > 0 else 0.0
+        return group_epsilon(self.run_cost(nm, n), self.max_examples_per_user, self._need_delta("epsilon"),
+                             accountant=self.accountant_kind)
 
     def spent_after(self, steps: int) -> Any:
         """What an accountant charged ``step_cost_at(t)`` for ``t < steps`` has spent: a :class:`DpProcess`.
@@ -793,7 +931,7 @@ class DPPlan:
         out = load_run(path, self, params=params, state=state, sampler=shard_sampler(sampler), accountant=accountant,
                        check_ranks=check_ranks, **extra)
         if isinstance(sampler, OffsetSampler):
-            out["sampler"] = OffsetSampler(out["sampler"], sampler.start)
+            out["sampler"] = OffsetSampler(out["sampler"], sampler.start, indices=sampler.indices)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -809,7 +947,7 @@ class DPPlan:
             d["clipping_norm"] = {"groups": pairs, "values": dict(sorted(c.values.items()))}
         d["clipping_kwargs"] = dict(self.clipping_kwargs or {})
         if self.privacy_unit == "example":  # an example-level plan's identity is what it was before the unit existed
-            del d["privacy_unit"], d["max_examples_per_user"]
+            del d["privacy_unit"], d["max_examples_per_user"], d["user_sampling"]
         return d
 
     def run_cost(self, noise_multiplier: float, steps: int) -> Any:
@@ -851,11 +989,20 @@ class DPPlan:
     def _check_privacy_unit(self) -> None:
         unit = check.choice(self.privacy_unit, "privacy_unit", "DPPlan", PRIVACY_UNITS)
         if unit == "example":
-            if self.max_examples_per_user is not None:
-                raise InputValueError(
-                    "DPPlan: max_examples_per_user applies to privacy_unit='user' only; this plan's unit is the example."
-                )
+            for name in ("max_examples_per_user", "user_sampling"):
+                if getattr(self, name) is not None:
+                    raise InputValueError(
+                        f"DPPlan: {name} applies to privacy_unit='user' only; this plan's unit is the example."
+                    )
             return
+        how = "users" if self.user_sampling is None else check.choice(
+            self.user_sampling, "user_sampling", "DPPlan", USER_SAMPLINGS)
+        object.__setattr__(self, "user_sampling", how)
+        if how == "examples" and self.clipping_mode == "adaptive":
+            raise InputValueError(
+                "DPPlan(user_sampling='examples') takes clipping_mode='fixed' or 'auto': the adaptive norm's count "
+                "is accounted per example, and its group conversion is not built. Use user_sampling='users'."
+            )
         if self.max_examples_per_user is None:
             raise InputValueError(
                 "DPPlan(privacy_unit='user') needs max_examples_per_user: the most examples of one user in a step "
@@ -902,6 +1049,8 @@ class DPPlan:
         # Calibrated a hair below the target: the accountant composes step by step, which may
         # come out up to ~1e-5 (relative) above the one-shot composition calibration measures
         # (both are upper bounds), and must not refuse the plan's own last step.
+        if self.user_sampling == "examples":  # the target is per user: group privacy of the example-level run
+            return self._calibrate_per_user(eps, delta, nm)
         budget = acc.epsilon_budget(eps * (1.0 - _RUNNING_SLACK), delta, accountant=self.accountant_kind)
         self.parts.clip_mode.check_budget(self, budget)
         if nm is not None:  # e.g. rebuilt from to_dict(): check instead of recalibrating
@@ -913,10 +1062,43 @@ class DPPlan:
             return nm
         return float(acc.calibrate(budget, lambda s: self.run_cost(s, self.steps)).param)
 
+    def _calibrate_per_user(self, eps: float, delta: float, nm: float | None) -> float:
+        """ELS: the smallest noise multiplier (to 1e-4 relative) whose run is ``eps``-DP per user by group privacy."""
+        target = eps * (1.0 - _RUNNING_SLACK)
+
+        def meets(sigma: float) -> bool:
+            return sigma > 0 and self._group_epsilon(sigma, self.steps) <= target
+
+        if nm is not None:
+            if not meets(nm):
+                raise InputValueError(
+                    f"DPPlan: noise_multiplier={nm} does not meet target_epsilon={eps} per user (group privacy for "
+                    f"max_examples_per_user={self.max_examples_per_user}) at delta={delta}. Leave noise_multiplier "
+                    "out to calibrate it."
+                )
+            return nm
+        low, high = 0.0, 0.5
+        while not meets(high):
+            low, high = high, 2.0 * high
+            if high > _MAX_PER_USER_SIGMA:
+                raise CalibrationError(
+                    f"DPPlan: no noise multiplier up to {_MAX_PER_USER_SIGMA:g} meets target_epsilon={eps} per user "
+                    f"with every user a group of max_examples_per_user={self.max_examples_per_user} examples over "
+                    f"{self.steps} steps. Lower max_examples_per_user, raise the target, or sample users "
+                    "(user_sampling='users')."
+                )
+        while high - low > 1e-4 * high:
+            mid = 0.5 * (low + high)
+            low, high = (low, mid) if meets(mid) else (mid, high)
+        return high
+
 
 # Relative room between the one-shot composition of a whole run and the accountant's running
 # composition of its steps (2.4e-5 the largest found, 5e-5 tested: tests/accounting/test_incremental.py).
 _RUNNING_SLACK = 1e-4
+
+# The largest noise multiplier a per-user (group privacy) calibration tries before it gives up.
+_MAX_PER_USER_SIGMA = 1e4
 
 
 def _used_field(value: Any, name: str, kind: str, part: Any, parts: Sequence[Any], flag: str,

@@ -123,6 +123,18 @@ class UserIndex:
         """The number of examples of each user."""
         return [len(e) for e in self._examples]
 
+    def capped_size(self, max_examples: int) -> int:
+        """``sum(min(count, max_examples))``: how many examples a cap of ``max_examples`` per user keeps.
+
+        The ``dataset_size`` of a ``DPPlan(privacy_unit="user", user_sampling="examples")``.
+
+        Example:
+            >>> UserIndex([0, 0, 0, 1]).capped_size(2)
+            3
+        """
+        k = check.integer(max_examples, "max_examples", "UserIndex.capped_size", minimum=1)
+        return sum(min(c, k) for c in self.counts())
+
     def shard(self, start: int, stop: int) -> UserIndex:
         """The users ``start .. stop - 1`` only (renumbered from 0), with their examples' indices in the
         whole data set: one rank's users under ``torch.distributed``, so that a user's examples never

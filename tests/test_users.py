@@ -12,7 +12,7 @@ from torch import nn
 from opake_fx.dpsgd import clip
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.functional import make_functional
-from opake_fx.random import key
+from opake_fx.random import key, split
 from opake_fx.users import UserIndex, UserPoissonSampler, batched_user_loss, collate_users, user_loss
 
 
@@ -250,9 +250,10 @@ def test_group_epsilon_bounds_the_exact_group_mechanism_and_is_the_lemmas_best(k
     """Unsampled Gaussian: a group of k moves the sum by k * C, exactly gaussian(sigma / k). The lemma's
     epsilon must be at least that exact one (validity), and equal to a direct search over example deltas."""
     sigma, delta = 6.0, 1e-6
-    got = group_epsilon(gaussian(sigma), k, delta)
+    got = group_epsilon(gaussian(sigma), k, delta, method="lemma")
     exact = gaussian(sigma / k).epsilon_at(delta)
-    assert got >= exact
+    assert got >= exact and group_epsilon(gaussian(sigma), k, delta) == min(got, group_epsilon(
+        gaussian(sigma), k, delta, method="rdp"))
     direct = min(k * gaussian(sigma).epsilon_at(d) for d in (delta / k * 10 ** (-24 * j / 96) for j in range(97))
                  if group_delta(gaussian(sigma).epsilon_at(d), d, k) <= delta)
     assert got == direct
@@ -268,8 +269,10 @@ def test_els_caps_users_and_measures_the_group_from_the_data():
     run = poisson(gaussian(3.0), 0.05) * 50
     capped_eps = user_epsilon_of_examples(run, capped, 1e-5)
     assert capped_eps == group_epsilon(run, 4, 1e-5) < math.inf
-    # the uncapped data: the group is the user with 30 examples, never 4 (and the lemma gives nothing for it)
-    assert user_epsilon_of_examples(run, users, 1e-5) == group_epsilon(run, 30, 1e-5) == math.inf
+    # the uncapped data: the group is the user with 30 examples, never 4 (the lemma gives nothing for it; RDP's
+    # group property a large but finite epsilon)
+    assert user_epsilon_of_examples(run, users, 1e-5) == group_epsilon(run, 30, 1e-5) > 10 * capped_eps
+    assert group_epsilon(run, 30, 1e-5, method="lemma") == math.inf
 
 
 def test_sampling_users_protects_a_user_better_than_capping_examples_at_the_same_noise():
@@ -279,3 +282,94 @@ def test_sampling_users_protects_a_user_better_than_capping_examples_at_the_same
     uls = (poisson(gaussian(sigma), 64 / n_users) * steps).epsilon_at(1e-6)
     els = group_epsilon(poisson(gaussian(sigma), 512 / (n_users * k)) * steps, k, 1e-6)
     assert 3 * uls < els < math.inf
+
+
+# --- RDP's group property (Mironov 2017, Proposition 2) ----------------------------------
+
+from opake_fx.accounting import group_rdp  # noqa: E402
+from opake_fx.accounting.rdp import DEFAULT_RDP_ORDERS  # noqa: E402
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 8])
+def test_the_rdp_group_curve_bounds_the_exact_curve_of_a_group(k):
+    """A group of k moves an unsampled Gaussian sum by k * C: its exact RDP is k^2 a / (2 sigma^2) at every
+    order a. The group curve (3^c r(2^c a) at order a, c = ceil(log2 k)) must never be below it."""
+    sigma = 3.0
+    orders, curve = group_rdp(gaussian(sigma), k)
+    c = (k - 1).bit_length()
+    assert orders.min() >= 2 and len(orders) == sum(a >= 2 ** (c + 1) for a in DEFAULT_RDP_ORDERS)
+    exact = k * k * orders / (2 * sigma**2)
+    assert (curve >= exact * (1 - 1e-12)).all()
+    assert group_epsilon(gaussian(sigma), k, 1e-6, method="rdp") >= gaussian(sigma / k).epsilon_at(1e-6)
+
+
+def test_group_epsilon_takes_the_smaller_valid_route_and_the_rdp_route_covers_large_groups():
+    run = poisson(gaussian(1.0), 0.01) * 1000
+    lemma, rdp = (group_epsilon(run, 16, 1e-6, method=m) for m in ("lemma", "rdp"))
+    assert lemma == math.inf and math.isfinite(rdp) and group_epsilon(run, 16, 1e-6) == rdp
+    small = poisson(gaussian(3.0), 0.05) * 200
+    lemma, rdp = (group_epsilon(small, 4, 1e-6, method=m) for m in ("lemma", "rdp"))
+    assert group_epsilon(small, 4, 1e-6) == min(lemma, rdp) < math.inf
+    with pytest.raises(InputValueError, match="method"):
+        group_epsilon(small, 4, 1e-6, method="shortest")
+
+
+# --- ELS as a plan value: DPPlan(privacy_unit="user", user_sampling="examples") ----------
+
+ELS_IDS = torch.tensor([0] * 30 + [1] * 5 + [2] * 2 + list(range(3, 40)))  # 40 users, one with 30 examples
+ELS_KEPT = UserIndex(ELS_IDS).capped_size(4)  # 4 + 4 + 2 + 37 = 47
+ELS_PLAN = dict(dataset_size=ELS_KEPT, batch_size=10, steps=30, clipping_norm=0.5, target_epsilon=8.0, delta=1e-5,
+                privacy_unit="user", max_examples_per_user=4, user_sampling="examples")
+
+
+def test_an_els_plan_is_calibrated_per_user_by_group_privacy_and_reports_both_units():
+    plan = DPPlan(**ELS_PLAN)
+    as_examples = DPPlan(**{k: v for k, v in ELS_PLAN.items() if k not in (
+        "privacy_unit", "max_examples_per_user", "user_sampling", "target_epsilon")}, noise_multiplier=plan.noise_multiplier)
+    run = as_examples.run_cost(plan.noise_multiplier, plan.steps)
+    e = plan.epsilons()
+    assert e["per_user"] == plan.epsilon() == group_epsilon(run, 4, 1e-5) <= 8.0
+    assert e["per_example"] == as_examples.epsilon() < e["per_user"] / 4
+    # calibrated to the per-user target: 1% less noise would miss it
+    assert group_epsilon(as_examples.run_cost(plan.noise_multiplier * 0.99, plan.steps), 4, 1e-5) > 8.0
+    assert plan.epsilon_unit == "per user" and as_examples.epsilon_unit == "per example"
+    acct = plan.accountant()
+    for t in range(plan.steps):
+        acct.step(plan.step_cost_at(t))
+    spent = plan.spent_epsilons(acct)
+    assert math.isclose(spent["per_user"], e["per_user"], rel_tol=1e-3) and "per example" in repr(acct)
+    assert DPPlan(**plan.to_dict()) == plan
+
+
+def test_an_els_sampler_keeps_the_same_k_examples_of_a_user_for_the_whole_run_and_shards_them():
+    plan = DPPlan(**{**ELS_PLAN, "batch_size": 40})
+    data = range(len(ELS_IDS))
+    seen: dict[int, set[int]] = {}
+    for batch in plan.sampler(data, key(3), user_ids=ELS_IDS):
+        for i in batch:
+            seen.setdefault(int(ELS_IDS[i]), set()).add(i)
+    assert len(seen[0]) == 4 and seen[0] <= set(range(30))  # never more than k of the big user over the run
+    assert seen[1] <= set(range(30, 35)) and len(seen[1]) == 4 and seen[2] == {35, 36}
+    ranks = [plan.sampler(data, key(3), rank=r, world_size=2, user_ids=ELS_IDS) for r in (0, 1)]
+    kept = cap_examples_per_user(UserIndex(ELS_IDS), 4, split(key(3))[0])
+    assert ranks[0].indices == ranks[1].indices == kept  # one cap for every rank
+    first = set(ranks[0].indices[: ranks[1].start])
+    for t in range(5):
+        a, b = ranks[0].batch(t), ranks[1].batch(t)
+        assert set(a) <= first and not set(b) & first  # disjoint shards of the kept examples
+
+
+def test_an_els_plan_refuses_what_its_accounting_does_not_cover():
+    with pytest.raises(InputValueError, match="keeps 47 examples but the plan was made for dataset_size=74"):
+        DPPlan(**{**ELS_PLAN, "dataset_size": len(ELS_IDS)}).sampler(range(len(ELS_IDS)), key(0), user_ids=ELS_IDS)
+    with pytest.raises(InputValueError, match="user_sampling applies to privacy_unit='user'"):
+        DPPlan(dataset_size=50, batch_size=5, steps=3, noise_multiplier=1.0, delta=1e-5, user_sampling="examples")
+    with pytest.raises(InputValueError, match="clipping_mode='fixed' or 'auto'"):
+        DPPlan(**ELS_PLAN, clipping_mode="adaptive")
+    with pytest.raises(InputValueError, match="user_sampling"):
+        DPPlan(**{**ELS_PLAN, "user_sampling": "households"})
+    uls = DPPlan(**{**USER_PLAN, "user_sampling": "users"})
+    with pytest.raises(InputValueError, match="do not mix"):  # an example-counting accountant for a per-user plan
+        uls.spent_epsilons(DPPlan(**ELS_PLAN).accountant())
+    with pytest.raises(InputValueError, match="does not meet target_epsilon=8.0 per user"):
+        DPPlan(**ELS_PLAN, noise_multiplier=0.5)

@@ -23,7 +23,7 @@ from opake_fx.accounting.budgets import (
     epsilon_budget,
 )
 from opake_fx.accounting.calibrate import PARAMETER_RANGES, CalibrateResult, calibrate
-from opake_fx.accounting.group import group_delta, group_epsilon
+from opake_fx.accounting.group import group_delta, group_epsilon, group_rdp
 from opake_fx.accounting.mechanisms import (
     AdaptiveClippingGaussian,
     EpsDelta,
@@ -55,6 +55,7 @@ from opake_fx.accounting.rdp import DEFAULT_RDP_ORDERS
 __all__ = [
     "group_delta",
     "group_epsilon",
+    "group_rdp",
     "DpProcess",
     "identity",
     "nonprivate",

@@ -11,7 +11,7 @@ Example:
     >>> round(acct.epsilon, 3), acct.delta          # spent so far, at the budget's delta
     (0.718, 1e-05)
     >>> acct                                        # one step() call charged the 100 steps at once
-    Accountant(epsilon=0.718 at delta=1e-05, steps=1, budget: epsilon <= 1 at delta=1e-05, pld)
+    Accountant(epsilon=0.718 per example at delta=1e-05, steps=1, budget: epsilon <= 1 per example at delta=1e-05, pld)
 """
 
 from __future__ import annotations
@@ -529,7 +529,9 @@ class Accountant:
                 )
 
     def __repr__(self) -> str:
-        """``Accountant(epsilon=... at delta=..., steps=..., budget: ...)``: what was spent and against what.
+        """``Accountant(epsilon=... per example at delta=..., steps=..., budget: ...)``: what was spent and against what.
+
+        The unit (``per example`` / ``per user``) is the budget's :attr:`~Budget.unit`.
 
         The full composition is :attr:`spent`.
         """
@@ -537,7 +539,7 @@ class Accountant:
             spent = f"spent={self.spent!r}"
         else:
             try:
-                spent = f"epsilon={self.epsilon:.4g} at delta={self.delta:g}"
+                spent = f"epsilon={self.epsilon:.4g} {self._budget.per_unit} at delta={self.delta:g}"
             except OpakeError:  # a mechanism without a PLD/RDP curve for this engine: show the composition
                 spent = f"spent={self.spent!r}"
         steps = "unknown" if self._steps is None else str(self._steps)
@@ -545,12 +547,12 @@ class Accountant:
 
 
 def _budget_line(budget: Budget) -> str:
-    """``epsilon <= 3 at delta=1e-05, pld`` (or the budget's repr for a budget of another kind)."""
+    """``epsilon <= 3 per example at delta=1e-05, pld`` (or the budget's repr for a budget of another kind)."""
     eps, delta = getattr(budget, "epsilon", None), getattr(budget, "delta", None)
     if budget.metric == "epsilon" and eps is not None and delta is not None:
-        return f"epsilon <= {eps:g} at delta={delta:g}, {budget.accountant}"
+        return f"epsilon <= {eps:g} {budget.per_unit} at delta={delta:g}, {budget.accountant}"
     if budget.metric == "delta" and eps is not None and delta is not None:
-        return f"delta <= {delta:g} at epsilon={eps:g}, {budget.accountant}"
+        return f"delta <= {delta:g} {budget.per_unit} at epsilon={eps:g}, {budget.accountant}"
     return repr(budget)
 
 

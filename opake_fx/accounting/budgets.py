@@ -1,7 +1,9 @@
 """Privacy budgets: a target value of one privacy-loss metric.
 
 A budget names the metric (epsilon at a fixed delta, or delta at a fixed epsilon), its
-target, and how to measure it (``accountant`` and ``discretization``), so that
+target, the unit of privacy it is about (``unit``: ``"example"`` or ``"user"``, what one
+neighbouring data set adds or removes), and how to measure it (``accountant`` and
+``discretization``), so that
 :func:`~opake_fx.accounting.calibrate` and :class:`~opake_fx.accounting.Accountant`
 measure a process the same way.
 
@@ -25,7 +27,10 @@ from opake_fx.accounting.pld import DEFAULT_DISCRETIZATION
 from opake_fx.accounting.process import DpProcess
 from opake_fx.errors import InputTypeError, InputValueError
 
-__all__ = ["Budget", "EpsilonBudget", "DeltaBudget", "epsilon_budget", "delta_budget", "budget_from_dict"]
+__all__ = ["Budget", "EpsilonBudget", "DeltaBudget", "epsilon_budget", "delta_budget", "budget_from_dict", "UNITS"]
+
+UNITS = ("example", "user")
+"""The units of privacy a budget can be about: one example, or one user with all of their examples."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +39,13 @@ class Budget:
 
     accountant: str = "pld"
     discretization: float = DEFAULT_DISCRETIZATION
+    unit: str = "example"
     metric: ClassVar[str] = ""
+
+    @property
+    def per_unit(self) -> str:
+        """``"per example"`` or ``"per user"``: how a report of this budget's metric names its unit."""
+        return f"per {self.unit}"
 
     @property
     def value(self) -> float:
@@ -77,6 +88,14 @@ class Budget:
             raise InputValueError(f"{type(self).__name__}: accountant must be 'pld' or 'rdp'; got {self.accountant!r}.")
         d = check.positive(self.discretization, "discretization", type(self).__name__)
         object.__setattr__(self, "discretization", d)
+        check.choice(self.unit, "unit", type(self).__name__, UNITS)
+
+    def _settings_dict(self) -> dict[str, Any]:
+        """The measuring settings as plain data; ``unit`` only when it is not the default (the example)."""
+        out: dict[str, Any] = {"accountant": self.accountant, "discretization": self.discretization}
+        if self.unit != "example":
+            out["unit"] = self.unit
+        return out
 
 
 @dataclass(frozen=True)
@@ -108,8 +127,7 @@ class EpsilonBudget(Budget):
             "type": "epsilon",
             "epsilon": self.epsilon,
             "delta": self.delta,
-            "accountant": self.accountant,
-            "discretization": self.discretization,
+            **self._settings_dict(),
         }
 
 
@@ -142,8 +160,7 @@ class DeltaBudget(Budget):
             "type": "delta",
             "delta": self.delta,
             "epsilon": self.epsilon,
-            "accountant": self.accountant,
-            "discretization": self.discretization,
+            **self._settings_dict(),
         }
 
 
@@ -154,6 +171,7 @@ def epsilon_budget(
     *,
     accountant: str = "pld",
     discretization: Real = DEFAULT_DISCRETIZATION,
+    unit: str = "example",
 ) -> EpsilonBudget:
     """A budget of (``epsilon``, ``delta``)-DP: epsilon measured at ``delta``.
 
@@ -162,13 +180,15 @@ def epsilon_budget(
         delta: in (0, 1).
         accountant: ``"pld"`` (default) or ``"rdp"``.
         discretization: PLD grid spacing used to measure epsilon.
+        unit: ``"example"`` (default) or ``"user"``: the unit of privacy the epsilon is
+            about (what the accountant's reports name; the measurement is the same).
 
     Example:
         >>> import opake_fx.accounting as acc
         >>> acc.epsilon_budget(3.0, delta=1e-5).value
         3.0
     """
-    return EpsilonBudget(accountant=accountant, discretization=discretization, epsilon=epsilon, delta=delta)
+    return EpsilonBudget(accountant=accountant, discretization=discretization, unit=unit, epsilon=epsilon, delta=delta)
 
 
 @typechecked
@@ -178,6 +198,7 @@ def delta_budget(
     *,
     accountant: str = "pld",
     discretization: Real = DEFAULT_DISCRETIZATION,
+    unit: str = "example",
 ) -> DeltaBudget:
     """A budget of (``epsilon``, ``delta``)-DP: delta measured at ``epsilon``.
 
@@ -186,7 +207,7 @@ def delta_budget(
         >>> acc.delta_budget(1e-5, epsilon=2.0).value
         1e-05
     """
-    return DeltaBudget(accountant=accountant, discretization=discretization, delta=delta, epsilon=epsilon)
+    return DeltaBudget(accountant=accountant, discretization=discretization, unit=unit, delta=delta, epsilon=epsilon)
 
 
 @typechecked
@@ -197,6 +218,7 @@ def budget_from_dict(data: dict[str, Any]) -> Budget:
     settings = {
         "accountant": data.get("accountant", "pld"),
         "discretization": data.get("discretization", DEFAULT_DISCRETIZATION),
+        "unit": data.get("unit", "example"),
     }
     if data.get("type") == "epsilon":
         return epsilon_budget(data["epsilon"], data["delta"], **settings)

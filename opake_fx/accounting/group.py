@@ -7,9 +7,16 @@ of ``k`` add-or-remove-one steps. If a process is ``(eps, d)``-DP for one exampl
 "The Complexity of Differential Privacy", Lemma 2.2). :func:`group_epsilon` picks the
 example-level ``d`` that gives the smallest group epsilon at the group's ``delta``.
 
-This is the generic conversion, valid for any process; it is loose (linear in ``k`` in
-epsilon, exponential in delta). Sampling users instead (:mod:`opake_fx.users`) usually
-protects a user far better at the same noise.
+The second route is Renyi DP's group property (Mironov 2017, "Renyi Differential
+Privacy", Proposition 2): an ``(alpha, r)``-RDP process is ``(alpha / 2**c, 3**c * r)``-RDP
+for groups of ``2**c`` when ``alpha >= 2**(c + 1)``; :func:`group_rdp` applies it with
+``c = ceil(log2 k)`` to the process's RDP curve, and the result converts to
+``(epsilon, delta)`` as any RDP curve does. :func:`group_epsilon` takes the smaller of the
+two (``method="best"``), each valid on its own.
+
+Both are generic conversions, valid for any process; both are loose (linear or worse in
+``k``). Sampling users instead (:mod:`opake_fx.users`) usually protects a user far better
+at the same noise.
 """
 
 from __future__ import annotations
@@ -17,9 +24,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import opake_fx.validation as check
+import numpy as np
 
-__all__ = ["group_epsilon", "group_delta"]
+import opake_fx.validation as check
+from opake_fx.accounting.rdp import DEFAULT_RDP_ORDERS, epsilon_from_rdp
+from opake_fx.errors import InputValueError
+
+__all__ = ["group_epsilon", "group_delta", "group_rdp"]
+
+GROUP_METHODS = ("best", "lemma", "rdp")
+"""How :func:`group_epsilon` converts: the smaller of the two routes, the group privacy lemma, or RDP's group property."""
 
 
 def group_delta(epsilon: float, delta: float, group_size: int) -> float:
@@ -41,23 +55,66 @@ def group_delta(epsilon: float, delta: float, group_size: int) -> float:
     return math.exp(math.log(d) + log_sum) if d > 0 else 0.0
 
 
-def group_epsilon(process: Any, group_size: int, delta: float, *, accountant: str = "pld", grid: int = 97) -> float:
-    """The smallest ``k * eps(d)`` over example-level deltas ``d`` whose group delta is at most ``delta``.
+def group_rdp(process: Any, group_size: int, orders: tuple[float, ...] = DEFAULT_RDP_ORDERS,
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """The RDP curve of ``process`` for groups of ``group_size``: ``(orders, epsilons)``.
+
+    Mironov's Proposition 2 with ``c = ceil(log2 k)``: the process's RDP ``r(alpha)`` at
+    every ``alpha >= 2**(c + 1)`` of ``orders`` gives ``3**c * r(alpha)`` at order
+    ``alpha / 2**c`` for neighbours that differ by at most ``2**c >= k`` units.
+
+    Raises:
+        InputValueError: the process has no RDP curve (a mechanism accounted by PLD only),
+            or no order of ``orders`` is large enough for the group.
+
+    Privacy: valid for any process whose RDP curve is valid at ``orders``; the returned
+    orders are all ``>= 2``.
+
+    Example:
+        >>> from opake_fx.dpsgd.accounting import gaussian
+        >>> a, r = group_rdp(gaussian(1.0), 2, orders=(4.0, 8.0))
+        >>> a.tolist(), r.tolist()  # r(4) = 4 / 2 = 2 -> 3 * 2 at order 2
+        ([2.0, 4.0], [6.0, 12.0])
+    """
+    k = check.integer(group_size, "group_size", "group_rdp", minimum=1)
+    c = (k - 1).bit_length()  # ceil(log2 k): 2**c >= k
+    all_orders = np.asarray(orders, dtype=np.float64)
+    if c == 0:
+        return all_orders, np.asarray(process.rdp(tuple(orders)), dtype=np.float64)
+    keep = all_orders >= 2.0 ** (c + 1)
+    if not keep.any():
+        raise InputValueError(
+            f"group_rdp: a group of {k} needs RDP orders >= {2 ** (c + 1)}; the largest given is {all_orders.max():g}."
+        )
+    curve = np.asarray(process.rdp(tuple(float(a) for a in all_orders[keep])), dtype=np.float64)
+    return all_orders[keep] / 2.0**c, curve * 3.0**c
+
+
+def group_epsilon(process: Any, group_size: int, delta: float, *, accountant: str = "pld", grid: int = 97,
+                  method: str = "best") -> float:
+    """The epsilon at ``delta`` of ``process`` for groups of ``group_size`` units.
+
+    ``method="lemma"``: the smallest ``k * eps(d)`` over example-level deltas ``d`` whose
+    group delta (:func:`group_delta`) is at most ``delta``. ``method="rdp"``: the RDP group
+    property (:func:`group_rdp`) converted at ``delta``. ``method="best"`` (default): the
+    smaller of the two (the RDP route is skipped for a process without an RDP curve).
 
     Args:
         process: a :class:`~opake_fx.accounting.DpProcess` accounted per example.
         group_size: ``k``, the most units (examples) one group (user) has.
         delta: the group's delta.
-        accountant: ``"pld"`` or ``"rdp"``, for the example-level epsilons.
-        grid: the number of example-level deltas tried, log-spaced from ``delta / k`` down
-            by 24 orders of magnitude (each tried value is checked exactly, so the grid
-            only affects tightness, never validity).
+        accountant: ``"pld"`` or ``"rdp"``, for the lemma's example-level epsilons.
+        grid: the number of example-level deltas the lemma tries, log-spaced from
+            ``delta / k`` down by 24 orders of magnitude (each tried value is checked
+            exactly, so the grid only affects tightness, never validity).
+        method: ``"best"``, ``"lemma"`` or ``"rdp"``.
 
     Returns:
-        The group's epsilon at ``delta`` (``inf`` when no tried ``d`` gives a finite one).
+        The group's epsilon at ``delta`` (``inf`` when no route gives a finite one).
 
-    Privacy: the group privacy lemma applied to a valid ``(eps(d), d)`` of the process,
-    for every ``d`` tried; the minimum over valid pairs is valid.
+    Privacy: each route is a valid ``(epsilon, delta)`` bound for neighbours that differ by
+    at most ``k`` units whenever the process is valid for one unit; the minimum of valid
+    bounds is valid.
 
     Example:
         >>> from opake_fx.dpsgd.accounting import gaussian
@@ -69,12 +126,22 @@ def group_epsilon(process: Any, group_size: int, delta: float, *, accountant: st
     k = check.integer(group_size, "group_size", "group_epsilon", minimum=1)
     d = check.delta(delta, "group_epsilon")
     n = check.integer(grid, "grid", "group_epsilon", minimum=2)
+    how = check.choice(method, "method", "group_epsilon", GROUP_METHODS)
     if k == 1:
         return process.epsilon_at(d, accountant=accountant)
     best = math.inf
-    for j in range(n):
-        d_ex = (d / k) * 10.0 ** (-24.0 * j / (n - 1))
-        eps = process.epsilon_at(d_ex, accountant=accountant)
-        if math.isfinite(eps) and group_delta(eps, d_ex, k) <= d:
-            best = min(best, k * eps)
+    if how in ("best", "lemma"):
+        for j in range(n):
+            d_ex = (d / k) * 10.0 ** (-24.0 * j / (n - 1))
+            eps = process.epsilon_at(d_ex, accountant=accountant)
+            if math.isfinite(eps) and group_delta(eps, d_ex, k) <= d:
+                best = min(best, k * eps)
+    if how in ("best", "rdp"):
+        try:
+            orders, curve = group_rdp(process, k)
+        except InputValueError:
+            if how == "rdp":
+                raise
+        else:
+            best = min(best, epsilon_from_rdp(orders.tolist(), curve, d))
     return best

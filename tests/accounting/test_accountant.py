@@ -163,11 +163,25 @@ def test_epsilon_is_reported_at_the_budgets_delta_and_the_repr_shows_it_with_the
         acct.step(STEP)
     assert acct.delta == 1e-5 and acct.epsilon == acct.spent_epsilon(1e-5)
     assert repr(acct) == str(acct) == (
-        f"Accountant(epsilon={acct.epsilon:.4g} at delta=1e-05, steps=140, budget: epsilon <= 3 at delta=1e-05, pld)"
+        f"Accountant(epsilon={acct.epsilon:.4g} per example at delta=1e-05, steps=140, budget: epsilon <= 3 per example "
+        "at delta=1e-05, pld)"
     )
     by_delta = acc.Accountant(acc.delta_budget(1e-6, epsilon=2.0), spent=STEP * 10)
     assert by_delta.delta == 1e-6 and by_delta.epsilon == by_delta.spent_epsilon(1e-6)
-    assert "steps=unknown" in repr(by_delta) and "budget: delta <= 1e-06 at epsilon=2" in repr(by_delta)
+    assert "steps=unknown" in repr(by_delta) and "budget: delta <= 1e-06 per example at epsilon=2" in repr(by_delta)
+
+
+def test_a_budget_per_user_names_its_unit_in_every_report_and_survives_its_state():
+    budget = acc.epsilon_budget(3.0, delta=1e-5, unit="user")
+    acct = acc.Accountant(budget)
+    acct.step(STEP)
+    assert f"epsilon={acct.epsilon:.4g} per user at delta" in repr(acct) and "epsilon <= 3 per user" in repr(acct)
+    assert budget.to_dict()["unit"] == "user" and "unit" not in acc.epsilon_budget(3.0, delta=1e-5).to_dict()
+    resumed = acc.Accountant.from_state_dict(acct.state_dict(running=True))
+    assert resumed.budget == budget and "per user" in repr(resumed)
+    assert acc.budget_from_dict(budget.to_dict()) != acc.epsilon_budget(3.0, delta=1e-5)  # the unit is part of it
+    with pytest.raises(InputValueError, match="unit"):
+        acc.epsilon_budget(3.0, delta=1e-5, unit="household")
 
 
 def test_epsilon_without_a_known_delta_says_to_call_spent_epsilon():

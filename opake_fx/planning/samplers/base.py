@@ -104,30 +104,41 @@ class OffsetSampler:
     """A batch sampler over a shard ``range(start, stop)``, yielding indices of the whole dataset.
 
     What :meth:`DPPlan.sampler <opake_fx.plan.DPPlan.sampler>` returns on a rank whose
-    shard does not start at 0; every other attribute (``state_dict``, ``key``,
+    shard does not start at 0, and for ``user_sampling="examples"`` (``indices``: the
+    examples kept by the per-user cap, so position ``i`` of the kept examples is
+    ``indices[i]`` of the dataset); every other attribute (``state_dict``, ``key``,
     ``n_steps``, ...) is the shard's sampler's.
 
     Example:
         >>> sampler = OffsetSampler([[0, 2], [1]], start=10)
         >>> list(sampler), len(sampler)
         ([[10, 12], [11]], 2)
+        >>> list(OffsetSampler([[0, 1]], start=1, indices=[3, 5, 8]))
+        [[5, 8]]
     """
 
-    def __init__(self, inner: Any, start: int) -> None:
-        self.inner, self.start = inner, start
+    def __init__(self, inner: Any, start: int, indices: Any = None) -> None:
+        self.inner, self.start, self.indices = inner, start, indices
 
     def __iter__(self) -> Any:
         for batch in self.inner:
-            yield [self.start + i for i in batch]
+            yield self._whole(batch)
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def batch(self, step: int) -> list[int]:
         """Step ``step``'s batch, as indices of the whole dataset."""
-        return [self.start + i for i in self.inner.batch(step)]
+        return self._whole(self.inner.batch(step))
+
+    def _whole(self, batch: Any) -> list[int]:
+        if self.indices is None:
+            return [self.start + i for i in batch]
+        return [self.indices[self.start + i] for i in batch]
 
     def __getattr__(self, name: str) -> Any:  # state_dict, key, n_steps, ... of the shard's sampler
+        if name in ("inner", "start", "indices"):  # not set yet (e.g. while unpickling): not the shard's
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
