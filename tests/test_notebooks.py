@@ -24,7 +24,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 TRAINING_NOTEBOOKS = {"quickstart.ipynb"}
 EXPECTED = {
     "quickstart.ipynb", "dpsgd_digits.ipynb", "accounting.ipynb", "distributed_tutorial.ipynb",
-    "dpftrl_strategies.ipynb", "fast_clipping.ipynb", "utility_ablation.ipynb",
+    "dpftrl_strategies.ipynb", "fast_clipping.ipynb", "utility_ablation.ipynb", "user_level.ipynb",
 }
 
 

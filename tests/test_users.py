@@ -243,6 +243,9 @@ from opake_fx.users import cap_examples_per_user, user_epsilon_of_examples  # no
 def test_group_delta_is_the_lemmas_sum():
     for eps, d, k in [(0.3, 1e-7, 5), (2.0, 1e-9, 3), (1e-9, 1e-6, 4)]:
         assert math.isclose(group_delta(eps, d, k), d * sum(math.exp(i * eps) for i in range(k)), rel_tol=1e-12)
+    # a large group at a large epsilon: the sum overflows a float; the delta is 1 (no guarantee), never a crash
+    assert group_delta(50.0, 1e-6, 32) == 1.0 and group_delta(800.0, 1e-300, 2) == 1.0
+    assert group_epsilon(poisson(gaussian(0.5), 0.1) * 100, 64, 1e-5, method="lemma") == math.inf
 
 
 @pytest.mark.parametrize("k", [2, 4])

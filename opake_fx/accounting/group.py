@@ -38,13 +38,15 @@ GROUP_METHODS = ("best", "lemma", "rdp")
 
 def group_delta(epsilon: float, delta: float, group_size: int) -> float:
     """The delta of a group of ``group_size`` for an ``(epsilon, delta)``-DP mechanism:
-    ``delta * sum_{i < k} exp(i * epsilon)`` (its epsilon is ``k * epsilon``).
+    ``delta * sum_{i < k} exp(i * epsilon)`` (its epsilon is ``k * epsilon``), at most 1.
 
     Example:
         >>> group_delta(0.0, 1e-6, 3)
         3e-06
         >>> round(group_delta(1.0, 1e-6, 2), 12)
         3.718282e-06
+        >>> group_delta(50.0, 1e-6, 32)  # exp(1550) would overflow: a delta of 1 is no guarantee
+        1.0
     """
     k = check.integer(group_size, "group_size", "group_delta", minimum=1)
     eps = check.non_negative(epsilon, "epsilon", "group_delta")
@@ -52,7 +54,10 @@ def group_delta(epsilon: float, delta: float, group_size: int) -> float:
     if eps == 0.0:
         return k * d
     log_sum = (k * eps + math.log(-math.expm1(-k * eps))) - (eps + math.log(-math.expm1(-eps)))  # log((e^{k eps}-1)/(e^eps-1))
-    return math.exp(math.log(d) + log_sum) if d > 0 else 0.0
+    if d == 0:
+        return 0.0
+    log_delta = math.log(d) + log_sum
+    return 1.0 if log_delta >= 0 else math.exp(log_delta)  # a delta of 1 or more says nothing: 1
 
 
 def group_rdp(process: Any, group_size: int, orders: tuple[float, ...] = DEFAULT_RDP_ORDERS,
