@@ -5,9 +5,11 @@ tanh MLP two ways and prints the test accuracy:
 
 * ULS (user-level sampling): ``DPPlan(privacy_unit="user", max_examples_per_user=k)``,
   users Poisson-sampled, each user's mean gradient clipped once;
-* ELS (example-level sampling with a per-user cap): each user capped at k examples
-  (``cap_examples_per_user``), example-level DP-SGD, the noise multiplier the smallest whose
-  group-privacy epsilon for the largest user (``user_epsilon_of_examples``) meets the target.
+* ELS (example-level sampling with a per-user cap):
+  ``DPPlan(privacy_unit="user", user_sampling="examples", max_examples_per_user=k)``, each user
+  capped at k examples for the whole run, example-level DP-SGD, the noise multiplier calibrated
+  so that the group-privacy epsilon for k (``group_epsilon``: the smaller of the lemma and RDP's
+  group property) meets the target.
 
 Users: 1,437 training images assigned to 400 users with probability proportional to
 ``1 / (u + 1)`` (a Zipf-like tail: the largest user holds 171 images, the median 2).
@@ -28,13 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opake_fx.dpsgd.accounting import gaussian, poisson
+from opake_fx.errors import CalibrationError
 from opake_fx.functional import make_functional
 from opake_fx.optimizers import sgd
 from opake_fx.plan import DPPlan
 from opake_fx.random import key
 from opake_fx.transforms import apply_updates
-from opake_fx.users import UserIndex, cap_examples_per_user, collate_users, user_epsilon_of_examples
+from opake_fx.users import UserIndex, collate_users
 
 DELTA = 1e-4
 
@@ -79,48 +81,24 @@ def uls(train, test, k: int, epsilon: float, steps: int, users_per_step: float, 
     return accuracy(fmodel, params, test), plan.noise_multiplier
 
 
-def els_noise_multiplier(q: float, steps: int, capped: UserIndex, epsilon: float) -> float:
-    """The smallest noise multiplier (to 0.5%) whose per-user group epsilon meets the target."""
-    lo, hi = 0.3, 2000.0
-    if user_epsilon_of_examples(poisson(gaussian(hi), q) * steps, capped, DELTA) > epsilon:
-        return math.inf
-    while hi / lo > 1.005:
-        mid = math.sqrt(lo * hi)
-        if user_epsilon_of_examples(poisson(gaussian(mid), q) * steps, capped, DELTA) <= epsilon:
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
 def els(train, test, k: int, epsilon: float, steps: int, examples_per_step: float, lr: float) -> tuple[float, float]:
-    from opake_fx.distributed import psum
-    from opake_fx.dpsgd import clip, noise
-    from opake_fx.dpsgd.sampling import PoissonSampler
-    from opake_fx.transforms import named_chain
-
     x, y, ids = train
-    kept = torch.tensor(cap_examples_per_user(UserIndex(ids), k, key(2)))
-    x, y, ids = x[kept], y[kept], ids[kept]
-    capped = UserIndex(ids)
-    q = min(1.0, examples_per_step / len(kept))
-    nm = els_noise_multiplier(q, steps, capped, epsilon)
-    if math.isinf(nm):
-        return math.nan, nm
+    kept = UserIndex(ids).capped_size(k)
+    try:
+        plan = DPPlan(privacy_unit="user", user_sampling="examples", max_examples_per_user=k, dataset_size=kept,
+                      batch_size=min(examples_per_step, kept), steps=steps, clipping_norm=1.0, target_epsilon=epsilon,
+                      delta=DELTA, clip_backend="auto")
+    except CalibrationError:  # no noise multiplier meets the per-user target for a group of k
+        return math.nan, math.inf
     fmodel, params = model()
-    pipeline = named_chain(
-        ("clip", clip(lambda p, xb, yb: F.cross_entropy(fmodel(p, xb), yb, reduction="none"), clipping_norm=1.0,
-                      batch_argnums=(1, 2), normalize_by=q * len(kept), clip_backend="auto", model=fmodel)),
-        ("psum", psum()),
-        ("noise", noise(noise_multiplier=nm, key=key(0))),
-        ("opt", sgd(lr, momentum=0.9)),
-    )
+    pipeline = plan.pipeline(lambda p, xb, yb: F.cross_entropy(fmodel(p, xb), yb, reduction="none"),
+                             sgd(lr, momentum=0.9), key=key(0), model=fmodel)
     state = pipeline.init(params)
-    for batch in PoissonSampler(len(kept), sample_rate=q, n_steps=steps, key=key(1)):
-        idx = torch.tensor(batch, dtype=torch.long)
+    for batch in plan.sampler(x, key(1), user_ids=ids):
+        idx = torch.as_tensor(batch, dtype=torch.long)
         updates, state = pipeline.update((x[idx], y[idx]), state, params)
         params = apply_updates(params, updates)
-    return accuracy(fmodel, params, test), nm
+    return accuracy(fmodel, params, test), plan.noise_multiplier
 
 
 def main() -> None:
