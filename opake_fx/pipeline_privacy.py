@@ -69,6 +69,10 @@ STAGE_KINDS = ("clip", "aggregate", "noise", "postprocess", "optimizer", "chain"
 UNKNOWN = "unknown"
 """What a :class:`StageReport` holds for a sensitivity or noise stddev it cannot know."""
 
+CLIP_UNITS = ("example", "user")
+"""What a clip stage clips as one unit: one example, or one user's examples together
+(a loss from :func:`opake_fx.users.user_loss` / :func:`~opake_fx.users.batched_user_loss`)."""
+
 
 @dataclass(frozen=True)
 class StagePrivacy:
@@ -95,6 +99,8 @@ class StagePrivacy:
         takes_example_mask: for ``clip``, the stage's ``update`` honours the keyword
             ``example_mask`` (padding rows contribute exactly zero), so a padded batch
             (:func:`opake_fx.padding.pad_batch`) may be given to it.
+        unit: for ``clip``, what one clipped unit is (:data:`CLIP_UNITS`): ``"example"``,
+            or ``"user"`` when the loss is a user's (the report's epsilon is then per user).
     """
 
     kind: str
@@ -107,10 +113,13 @@ class StagePrivacy:
     scale: float | None = None
     takes_example_mask: bool = False
     paired: bool = False
+    unit: str = "example"
 
     def __post_init__(self) -> None:
         if self.kind not in STAGE_KINDS:
             raise InputValueError(f"StagePrivacy.kind must be one of {STAGE_KINDS}; got {self.kind!r}.")
+        if self.unit not in CLIP_UNITS:
+            raise InputValueError(f"StagePrivacy.unit must be one of {CLIP_UNITS}; got {self.unit!r}.")
         if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float))
                                        or not math.isfinite(self.scale)):
             raise InputValueError(f"StagePrivacy.scale must be a finite real number or None; got {self.scale!r}.")
@@ -160,6 +169,8 @@ class PrivacyReport:
         delta: the delta ``epsilon`` is measured at.
         noise_stddev: the stddev of the noise in the pipeline's output (its last stage's
             ``noise_stddev``): a number, :data:`UNKNOWN`, or ``None`` without noise.
+        unit: what ``epsilon`` protects: ``"example"``, or ``"user"`` when the clip stage
+            clips users (the sample rate is then the users').
     """
 
     stages: tuple[StageReport, ...]
@@ -170,13 +181,15 @@ class PrivacyReport:
     epsilon: float | None
     delta: float | None
     noise_stddev: float | str | None = None
+    unit: str = "example"
 
     def __str__(self) -> str:
         rows = [f"{'stage':<14}{'kind':<12}{'sensitivity':<13}{'noise std':<11}note"]
         for s in self.stages:
             rows.append(f"{s.name:<14}{s.kind:<12}{_cell(s.sensitivity):<13}{_cell(s.noise_stddev):<11}{s.note}")
         eps = "unknown (pass sample_rate, steps, delta)" if self.epsilon is None else f"{self.epsilon:.4g}"
-        rows.append(f"private: {self.private}; epsilon: {eps}" + (f" at delta={self.delta:g}" if self.delta else ""))
+        rows.append(f"private: {self.private}; epsilon per {self.unit}: {eps}"
+                    + (f" at delta={self.delta:g}" if self.delta else ""))
         return "\n".join(rows)
 
 
@@ -279,6 +292,7 @@ def privacy_report(
     nm: float | None = None
     mechanism: str | None = None
     clip_sens: float | None = None
+    unit = "example"
     uneven_groups = False
     paired = False
     has_clip = any(info is not None and info.kind == "clip" for _, info in flat)
@@ -305,13 +319,13 @@ def privacy_report(
             clip_sens = _effective(info.max_norm)
             sens = UNKNOWN if clip_sens is None else clip_sens
             uneven_groups = isinstance(info.max_norm, PerGroup) and len(set(info.max_norm.values.values())) > 1
-            paired = info.paired
-            note = "per-example clipping: sensitivity max_norm (add-or-remove-one)" + (
+            paired, unit = info.paired, info.unit
+            note = f"per-{unit} clipping: sensitivity max_norm (add-or-remove-one {unit})" + (
                 "; known per step (adaptive; its noised count also costs privacy: no epsilon is reported, account "
                 "with adaptive_clipping_gaussian or DPPlan)" if clip_sens is None else ""
             )
         elif info.kind == "aggregate":
-            note = "sum over ranks: each example lives on one rank, sensitivity unchanged"
+            note = f"sum over ranks: each {unit} lives on one rank, sensitivity unchanged"
         elif info.kind == "noise":
             nm, mechanism = info.noise_multiplier, info.mechanism
             factor = info.noise_sensitivity if info.noise_sensitivity is not None else 1.0
@@ -368,7 +382,7 @@ def privacy_report(
         epsilon = (step * steps).epsilon_at(delta)
     else:
         epsilon = None
-    return PrivacyReport(tuple(rows), private, clip_sens, nm, mechanism, epsilon, delta, std)
+    return PrivacyReport(tuple(rows), private, clip_sens, nm, mechanism, epsilon, delta, std, unit)
 
 
 def _cell(value: float | str | None) -> str:

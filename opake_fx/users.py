@@ -265,7 +265,9 @@ def user_loss(example_loss: Callable[..., torch.Tensor]) -> Callable[..., torch.
     the user's examples' gradients, which the clip stage clips as one unit.
 
     Privacy: the unit is the user: their whole contribution is clipped to ``clipping_norm``
-    together. Masked rows add exactly zero (selected out, never multiplied).
+    together. Masked rows add exactly zero (selected out, never multiplied). The result
+    carries ``privacy_unit = "user"``, so a clip stage built on it reports its epsilon per
+    user (``Transform.privacy_report``).
 
     Example:
         >>> import torch
@@ -281,6 +283,7 @@ def user_loss(example_loss: Callable[..., torch.Tensor]) -> Callable[..., torch.
         kept = torch.where(mask, losses, torch.zeros((), dtype=losses.dtype, device=losses.device))
         return kept.sum() / mask.sum().clamp(min=1).to(losses.dtype)
 
+    loss.privacy_unit = "user"  # type: ignore[attr-defined]  # the clip stage's unit (its privacy report)
     return loss
 
 
@@ -312,6 +315,7 @@ def batched_user_loss(batch_loss: Callable[..., torch.Tensor]) -> Callable[..., 
         kept = torch.where(mask, losses, torch.zeros((), dtype=losses.dtype, device=losses.device))
         return kept.sum(1) / mask.sum(1).clamp(min=1).to(losses.dtype)
 
+    loss.privacy_unit = "user"  # type: ignore[attr-defined]  # the clip stage's unit (its privacy report)
     return loss
 
 

@@ -376,3 +376,16 @@ def test_an_els_plan_refuses_what_its_accounting_does_not_cover():
         uls.spent_epsilons(DPPlan(**ELS_PLAN).accountant())
     with pytest.raises(InputValueError, match="does not meet target_epsilon=8.0 per user"):
         DPPlan(**ELS_PLAN, noise_multiplier=0.5)
+
+
+def test_a_user_pipelines_privacy_report_says_per_user_and_an_example_pipelines_per_example():
+    fmodel, _ = _model()
+    plan = DPPlan(**USER_PLAN)
+    one = lambda p, xi, yi: F.cross_entropy(fmodel(p, xi[None]), yi[None])  # noqa: E731
+    report = plan.pipeline(one, sgd(0.1), key=key(0)).privacy_report(sample_rate=plan.sample_rate, steps=plan.steps,
+                                                                       delta=plan.delta)
+    assert report.unit == "user" and "epsilon per user: " in str(report) and "per-user clipping" in str(report)
+    assert math.isclose(report.epsilon, plan.epsilon(), rel_tol=1e-6)
+    example = DPPlan(**{k: v for k, v in USER_PLAN.items() if k not in ("privacy_unit", "max_examples_per_user")})
+    assert "epsilon per example: " in str(example.pipeline(one, sgd(0.1), key=key(1)).privacy_report(
+        sample_rate=0.2, steps=5, delta=1e-5))

@@ -63,12 +63,14 @@ def _stage_of(name: str, clipping_function: Callable[..., Any], describe: Descri
     it with :func:`as_stage`, described by ``describe``.
 
     Privacy: the stage outputs what the clipping function does; its ``StagePrivacy``
-    states ``describe``'s ``max_norm`` (``paired`` with ``second_moment=True``).
+    states ``describe``'s ``max_norm`` (``paired`` with ``second_moment=True``) and the unit
+    it clips (``loss_fn.privacy_unit``, set by :func:`opake_fx.users.user_loss`; else the example).
     """
     def stage(loss_fn: Callable[..., Any], **given: Any) -> Transform:
         grad_fn, state = clipping_function(loss_fn, argnums=0, **given)
         description, max_norm = describe(given)
-        privacy = StagePrivacy("clip", description, max_norm=max_norm, paired=given["second_moment"])
+        privacy = StagePrivacy("clip", description, max_norm=max_norm, paired=given["second_moment"],
+                               unit=getattr(loss_fn, "privacy_unit", "example"))
         return as_stage(grad_fn, state, batch_argnums=given["batch_argnums"], privacy=privacy,
                         return_stats=given["return_stats"])
 
