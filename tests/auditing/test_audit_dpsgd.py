@@ -88,6 +88,7 @@ def test_a_small_audit_runs_the_plan_and_reports_every_bound(capsys):
     ceiling = perfect_attack_ceiling(100, significance=0.05 / 3, delta=1e-5)
     assert r.epsilon_any_mechanism <= ceiling["one_run"] + 1e-9
     assert "audit at 95% confidence" in str(r)
+    assert r.unit == "per example" and "epsilon per example >=" in str(r)
 
 
 def test_plot_audit_draws_the_roc_and_the_bounds():
