@@ -40,7 +40,7 @@ _EXPORTS = {
     "perfect_attack_ceiling": "opake_fx.auditing.ceiling",
     "plot_audit": "opake_fx.auditing.plot",
 }
-_SUBMODULES = frozenset({"bounds", "canaries", "scores", "single_run", "two_sample", "dpsgd", "ceiling", "plot"})
+_SUBMODULES = frozenset({"bounds", "canaries", "scores", "single_run", "two_sample", "dpsgd", "ceiling", "plot", "users"})
 
 if _TYPE_CHECKING:  # static analysers see the eager imports
     from opake_fx.auditing.canaries import (CanarySampler, CoinFlip, DiracCanaries, coin_flip, dirac_canaries,
