@@ -169,14 +169,14 @@ def audit_dpsgd(
             keeps ``k``.
         user_sampling: with ``user_ids``: ``"users"`` (user-level sampling: the plan is
             ``DPPlan(privacy_unit="user", dataset_size=<ordinary users + num_canaries>)``,
-            and ``batch_size`` counts users) or ``"examples"`` (each user capped at ``k``
-            by :func:`~opake_fx.users.cap_examples_per_user`, an example-level plan over the
-            kept examples and the canary slots, the claim per user by group privacy over
-            the largest user's measured count; it needs ``noise_multiplier``, since
-            ``target_epsilon`` would calibrate per example). In a user-level audit the
-            ``sampler`` hook is called as ``sampler(plan, slots, key, user_ids=ids)``
-            under ``"users"`` (``slots`` the rows, ``ids`` one user number per row; it
-            yields lists of groups) and the ``pipeline`` hook's transform gets the
+            and ``batch_size`` counts users) or ``"examples"`` (the plan
+            ``DPPlan(privacy_unit="user", user_sampling="examples")`` over the ordinary
+            rows and the canary users' rows: every user capped at ``k`` rows for the run,
+            rows Poisson-sampled, the claim per user by group privacy for ``k``;
+            ``target_epsilon`` is then per user). In a user-level audit the ``sampler``
+            hook is called as ``sampler(plan, slots, key, user_ids=ids)`` (``slots`` the
+            rows, ``ids`` one user number per row; under ``"users"`` it yields lists of
+            groups, under ``"examples"`` row indices) and the ``pipeline`` hook's transform gets the
             batch ``(*blocks, which, mask)`` of :func:`~opake_fx.users.collate_users`
             under ``"users"``; ``loss_fn`` given to the hook is the per-row loss either way.
 
@@ -187,7 +187,7 @@ def audit_dpsgd(
         InputTypeError / InputValueError: a bad key, data, count or hook argument; user
             arguments without ``user_ids``, ``user_ids`` of the wrong length or without
             ``max_examples_per_user``, ``canary_examples < 1``, an unknown
-            ``user_sampling``, ``target_epsilon`` with ``user_sampling="examples"``.
+            ``user_sampling``.
 
     Privacy contract: the accountant charges ``plan.steps`` times ``plan.step_cost``
     (before the first step), as a training run would; the audit checks that the pipeline delivers it. The run's model

@@ -16,12 +16,13 @@ epsilon *per user*. Two ways of training, each against its own claim per user:
   the claim is the plan's accountant (its unit is the user). A pipeline that clips each
   row instead lets a canary user of ``k`` rows move its coordinate ``k`` times as far,
   which the audit sees.
-* ``user_sampling="examples"`` (ELS): the ordinary data are capped at ``k`` examples per
-  user (:func:`~opake_fx.users.cap_examples_per_user`), each canary user is ``min(
-  canary_examples, k)`` example slots, and the plan is example-level over the kept
-  examples and the canary slots; the claim is
-  :func:`~opake_fx.users.user_epsilon_of_examples` of the plan's run, i.e. group privacy
-  over the largest user's count in the trained data (canary users included), measured.
+* ``user_sampling="examples"`` (ELS): the plan is ``DPPlan(privacy_unit="user",
+  user_sampling="examples", max_examples_per_user=k)`` over the ordinary rows and the
+  canary users' rows: its sampler caps every user (canary users included) at ``k`` rows
+  for the whole run and samples rows; the claim is the plan's epsilon per user (group
+  privacy for ``k``; ``target_epsilon`` is per user), checked against
+  :func:`~opake_fx.users.user_epsilon_of_examples` of the run for the largest user's
+  measured count in the capped data.
 
 The coin flip is over users in both: canary ``j`` is user number ``n_users + j`` (the
 ordinary users are numbered ``0 .. n_users - 1`` by first example, as
@@ -110,12 +111,6 @@ def check_user_arguments(n: int, user_ids: Any, max_examples_per_user: Any, cana
     ce = k if canary_examples is None else check.integer(
         canary_examples, "canary_examples", "audit_dpsgd", minimum=1,
         hint="It is the number of rows of each canary user (default max_examples_per_user).")
-    if sampling == "examples" and target_epsilon is not None:
-        raise InputValueError(
-            "audit_dpsgd(user_sampling='examples') takes noise_multiplier=..., not target_epsilon: the example-level "
-            "plan would be calibrated per example, while the claim audited is per user (group privacy over k "
-            "examples). Pick the noise multiplier, or audit user_sampling='users', whose plan is calibrated per user."
-        )
     return _UserArgs(user_ids=ids, k=k, canary_examples=ce, sampling=sampling)
 
 
@@ -137,7 +132,7 @@ def audit_users(loss_fn: Callable[..., Any], params: Any, tensors: tuple[Any, ..
     row_user = np.empty(users.n_examples, dtype=np.int64)
     for u in range(n_users):
         row_user[users.examples_of(u)] = u
-    k_flip, k_canary, k_sampler, k_noise, k_cap = split(key, 5)
+    k_flip, k_canary, k_sampler, k_noise = split(key, 4)
     # one coin per canary USER: canary j is user n_users + j
     flip = coin_flip(n_users + m, m, k_flip, candidate_indices=np.arange(n_users, n_users + m))
     canaries = dirac_canaries(m, k_canary, norm=canary_norm)
@@ -147,8 +142,8 @@ def audit_users(loss_fn: Callable[..., Any], params: Any, tensors: tuple[Any, ..
     if args.sampling == "users":
         plan, p, eps = _users(tensors, args, row_user, n_users, flip, run, plan_args, k_sampler, sampler, dtype, progress)
     else:
-        plan, p, eps = _examples(tensors, args, users, row_user, n_users, flip, run, plan_args, k_sampler, k_cap,
-                                 sampler, dtype, progress)
+        plan, p, eps = _examples(tensors, args, users, row_user, n_users, flip, run, plan_args, k_sampler, sampler,
+                                 dtype, progress)
     scores = canary_scores(canaries.scores(p[1] - audit_params[1]), flip.canary_indices)
     return scores, flip, eps, plan, p[0]
 
@@ -222,33 +217,37 @@ def _drop_rows(inner: Any, out: np.ndarray) -> Iterator[list[list[int]]]:
 
 
 def _examples(tensors: tuple[Any, ...], args: _UserArgs, users: Any, row_user: np.ndarray, n_users: int,
-              flip: CoinFlip, run: _Run, plan_args: dict[str, Any], k_sampler: Any, k_cap: Any,
-              sampler: Callable[..., Any] | None, dtype: Any, progress: bool) -> tuple[Any, Any, float]:
-    """ELS: the data capped at ``k`` per user, ``min(canary_examples, k)`` slots per canary user, an example-level
-    plan; the claim is group privacy over the largest user's count, measured on the trained slots."""
+              flip: CoinFlip, run: _Run, plan_args: dict[str, Any], k_sampler: Any, sampler: Callable[..., Any] | None,
+              dtype: Any, progress: bool) -> tuple[Any, Any, float]:
+    """ELS: the plan ``user_sampling="examples"`` over the ordinary rows and ``canary_examples`` rows per canary
+    user; the claim is the plan's epsilon per user (group privacy for ``k``), checked against the measured group."""
     import torch
 
     from opake_fx.plan import DPPlan
-    from opake_fx.users import UserIndex, cap_examples_per_user, user_epsilon_of_examples
+    from opake_fx.users import UserIndex, user_epsilon_of_examples
 
-    m, k = flip.num_canaries, args.k
-    ce = min(args.canary_examples, k)
-    kept = cap_examples_per_user(users, k, k_cap)
-    n_kept = len(kept)
-    total = n_kept + m * ce
-    idx = torch.as_tensor(kept, dtype=torch.int64)
-    padded = pad_rows(tuple(t[idx] for t in tensors), m * ce)
-    slot_to_canary = np.concatenate([np.full(n_kept, -1, dtype=np.int64), np.repeat(np.arange(m), ce)])
-    slot_users = UserIndex(np.concatenate([row_user[kept], n_users + np.repeat(np.arange(m), ce)]).tolist())
-    plan = DPPlan(dataset_size=total, **plan_args)
+    m, k, ce, n = flip.num_canaries, args.k, args.canary_examples, len(row_user)
+    rows = n + m * ce
+    ids = np.concatenate([row_user, n_users + np.repeat(np.arange(m), ce)]).tolist()
+    all_users = UserIndex(ids)
+    plan = DPPlan(privacy_unit="user", user_sampling="examples", max_examples_per_user=k,
+                  dataset_size=all_users.capped_size(k), **plan_args)
     pipe = run.build(plan)
-    run.charge(plan)
-    # one coin per canary user, repeated over its slots: the excluded users' slots never appear
-    slot_flip = CoinFlip(dataset_size=total, canary_indices=np.arange(n_kept, total, dtype=np.int64),
-                         included=np.repeat(flip.included, ce))
-    slots = range(total)
-    inner = plan.sampler(slots, k_sampler) if sampler is None else sampler(plan, slots, k_sampler)
-    p = train_slots(pipe, pipe.init(run.params), run.params, padded, slot_flip.sampler(inner), slot_to_canary, m,
-                     dtype, progress)
-    process = plan.run_cost(plan.noise_multiplier, plan.steps)
-    return plan, p, user_epsilon_of_examples(process, slot_users, plan_args["delta"], accountant=plan.accountant_kind)
+    accountant = run.charge(plan)
+    slots = range(rows)
+    inner = plan.sampler(slots, k_sampler, user_ids=ids) if sampler is None else sampler(plan, slots, k_sampler,
+                                                                                          user_ids=ids)
+    # one coin per canary user, repeated over its rows: the excluded users' rows never appear
+    row_flip = CoinFlip(dataset_size=rows, canary_indices=np.arange(n, rows, dtype=np.int64),
+                        included=np.repeat(flip.included, ce))
+    row_to_canary = np.concatenate([np.full(n, -1, dtype=np.int64), np.repeat(np.arange(m), ce)])
+    p = train_slots(pipe, pipe.init(run.params), run.params, pad_rows(tensors, m * ce), row_flip.sampler(inner),
+                    row_to_canary, m, dtype, progress)
+    claim = plan.spent_epsilons(accountant)["per_user"]
+    kept = getattr(inner, "indices", None)  # the rows the plan's cap keeps (a hooked sampler may not say)
+    if kept is not None:
+        measured = user_epsilon_of_examples(plan.run_cost(plan.noise_multiplier, plan.steps),
+                                            UserIndex([ids[i] for i in kept]), plan_args["delta"],
+                                            accountant=plan.accountant_kind)
+        claim = max(claim, measured)  # the cap held: the largest kept user has at most k rows, so they agree
+    return plan, p, claim

@@ -93,16 +93,22 @@ def test_example_level_sampling_with_a_cap_audits_below_the_group_privacy_claim(
                     user_sampling="examples", num_canaries=300, sample_rate=0.5, steps=10, noise_multiplier=4.0,
                     delta=1e-5)
     plan = r.plan
-    assert r.unit == "per user" and plan.privacy_unit == "example"
+    assert r.unit == "per user" and plan.privacy_unit == "user" and plan.user_sampling == "examples"
     kept = sum(min(c, 3) for c in np.bincount(ids))
-    assert plan.dataset_size == kept + 300 * 3  # each canary user: min(10, 3) slots
-    per_example = plan.epsilon()
+    assert plan.dataset_size == kept + 300 * 3  # each canary user: min(10, 3) rows kept by the plan's cap
+    per_example = plan.epsilons()["per_example"]
     run = plan.run_cost(plan.noise_multiplier, plan.steps)
-    # the group is measured: the largest user keeps 3 (the canary users too)
+    # the claim is group privacy for k = 3 (the plan's, and the largest kept user's measured count)
     assert r.epsilon_accountant == pytest.approx(group_epsilon(run, 3, 1e-5), rel=1e-9)
-    # measured with key(0): per example 1.66, claim per user 6.38, epsilon per user >= 0.76
     assert r.epsilon_accountant > 2 * per_example
     assert r.consistent and 0 < r.epsilon_lower < r.epsilon_accountant
+
+
+def test_an_els_audit_calibrates_to_a_target_per_user():
+    data, ids = _data()
+    r = audit_dpsgd(_loss, _params(), data, key=key(1), user_ids=ids, max_examples_per_user=3, user_sampling="examples",
+                    num_canaries=200, sample_rate=0.5, steps=8, target_epsilon=6.0, delta=1e-5)
+    assert r.epsilon_accountant <= 6.0 and r.plan.target_epsilon == 6.0 and r.consistent
 
 
 def test_user_level_arguments_are_checked():
@@ -124,8 +130,5 @@ def test_user_level_arguments_are_checked():
         audit_dpsgd(_loss, _params(), data, user_ids=ids, max_examples_per_user=2.0, **run)
     with pytest.raises(InputValueError, match="user_sampling must be one of"):
         audit_dpsgd(_loss, _params(), data, user_ids=ids, max_examples_per_user=2, user_sampling="people", **run)
-    with pytest.raises(InputValueError, match="takes noise_multiplier"):
-        audit_dpsgd(_loss, _params(), data, user_ids=ids, max_examples_per_user=2, user_sampling="examples",
-                    key=key(0), num_canaries=4, batch_size=5, steps=2, target_epsilon=5.0, delta=1e-5)
     with pytest.raises(InputTypeError, match="not floats"):
         audit_dpsgd(_loss, _params(), data, user_ids=[0.5] * 30, max_examples_per_user=2, **run)
