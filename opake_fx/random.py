@@ -51,6 +51,7 @@ __all__ = [
     "normal",
     "tree_normal",
     "flat_tree_normal",
+    "flat_tree_normal_rows",
     "key_data",
     "wrap_key_data",
 ]
@@ -394,6 +395,98 @@ def flat_tree_normal(
         for i, part in zip(members, flat.split_with_sizes(sizes)):
             draws[i] = part if len(leaves[i].shape) == 1 else part.view(leaves[i].shape)
     return draws, buffers  # type: ignore[return-value]
+
+
+def flat_tree_normal_rows(
+    k: RngKey,
+    leaves: Sequence[torch.Tensor],
+    full_shapes: Sequence[Sequence[int]],
+    rows: Sequence[tuple[int, int]],
+    *,
+    stddev: float = 1.0,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Rows ``rows[i]`` of leaf ``i`` of :func:`flat_tree_normal`'s draw for leaves of ``full_shapes``.
+
+    What a rank that holds only rows ``[start, stop)`` (along the first axis) of every
+    leaf draws to noise its shard: ``draws[i]`` equals
+    ``flat_tree_normal(k, full)[0][i][start:stop]`` bit for bit, where ``full[i]`` has
+    shape ``full_shapes[i]`` and ``leaves[i]``'s dtype and device. Only the generator
+    chunks that overlap the rows are drawn on the CPU (2**20 values each, independent
+    keys); on another device the whole group is drawn and sliced (its generator cannot
+    skip ahead).
+
+    Args:
+        k: the key (as for :func:`flat_tree_normal`).
+        leaves: the shards; ``leaves[i]`` has ``stop - start`` rows and the other
+            dimensions of ``full_shapes[i]``.
+        full_shapes: the unsharded shapes.
+        rows: ``(start, stop)`` of each leaf's shard along its first axis.
+        stddev: as for :func:`flat_tree_normal`.
+
+    Returns:
+        ``(draws, buffers)`` as :func:`flat_tree_normal` (``draws[i]`` shaped like
+        ``leaves[i]``, each its own memory), so it can serve as the ``draw`` of
+        :func:`opake_fx._gaussian.add_gaussian_noise`.
+
+    Raises:
+        InputValueError: a shard whose shape is not its rows of the full shape.
+
+    Example:
+        >>> full, _ = flat_tree_normal(key(3), [torch.zeros(4, 2), torch.zeros(3)])
+        >>> part, _ = flat_tree_normal_rows(key(3), [torch.zeros(2, 2), torch.zeros(1)], [(4, 2), (3,)],
+        ...                                 [(1, 3), (2, 3)])
+        >>> torch.equal(part[0], full[0][1:3]), torch.equal(part[1], full[1][2:3])
+        (True, True)
+    """
+    if not (len(leaves) == len(full_shapes) == len(rows)):
+        raise InputValueError(f"flat_tree_normal_rows: {len(leaves)} leaves, {len(full_shapes)} full shapes and "
+                              f"{len(rows)} row ranges; give one of each per leaf.")
+    spans = []
+    for leaf, shape, (start, stop) in zip(leaves, full_shapes, rows):
+        shape = tuple(int(d) for d in shape)
+        if not shape or not 0 <= start <= stop <= shape[0] or tuple(leaf.shape) != (stop - start, *shape[1:]):
+            raise InputValueError(
+                f"flat_tree_normal_rows: a shard of shape {tuple(leaf.shape)} is not rows [{start}, {stop}) of a leaf of "
+                f"shape {shape}; each shard must be a contiguous range of its leaf's first axis."
+            )
+        spans.append((math.prod(shape), start * math.prod(shape[1:]), stop * math.prod(shape[1:])))
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault((leaf.device, leaf.dtype), []).append(i)
+    draws: list[torch.Tensor | None] = [None] * len(leaves)
+    buffers: list[torch.Tensor] = []
+    subkeys = _split_key(k, len(groups)) if groups else ()
+    for ((device, dtype), members), gk in zip(groups.items(), subkeys):
+        offset, ranges = 0, []
+        for i in members:
+            size, a, b = spans[i]
+            ranges.append((offset + a, offset + b))
+            offset += size
+        for i, part in zip(members, _keyed_randn_ranges(gk, offset, ranges, dtype, device, stddev)):
+            draws[i] = part.view(leaves[i].shape)
+            buffers.append(part)
+    return draws, buffers  # type: ignore[return-value]
+
+
+def _keyed_randn_ranges(k: RngKey, n: int, ranges: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
+                        stddev: float) -> list[torch.Tensor]:
+    """Values ``[a, b)`` of ``_keyed_randn(k, n, ...)`` for each range, each a tensor of its own."""
+    if device.type != "cpu" or n <= _CPU_CHUNK:
+        full = _keyed_randn(k, n, dtype, device, stddev)
+        return [full[a:b].clone() for a, b in ranges]
+    n_chunks = -(-n // _CPU_CHUNK)
+    needed = sorted({c for a, b in ranges if b > a for c in range(a // _CPU_CHUNK, (b - 1) // _CPU_CHUNK + 1)})
+    keys = _split_key(k, n_chunks)
+    gens = _keyed_generators([keys[c] for c in needed], [device] * len(needed))
+    chunk = {}
+    for c, gen in zip(needed, gens):  # a chunk drawn alone gives the values it has inside the whole draw
+        chunk[c] = torch.empty(min(_CPU_CHUNK, n - c * _CPU_CHUNK), dtype=dtype).normal_(0.0, stddev, generator=gen)
+    out = []
+    for a, b in ranges:
+        pieces = [chunk[c][max(a - c * _CPU_CHUNK, 0): min(b - c * _CPU_CHUNK, _CPU_CHUNK)]
+                  for c in range(a // _CPU_CHUNK, (b - 1) // _CPU_CHUNK + 1)] if b > a else []
+        out.append(torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype))
+    return out
 
 
 _CPU_CHUNK = 1 << 20
