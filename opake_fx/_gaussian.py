@@ -47,6 +47,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,8 +57,9 @@ import torch
 
 from opake_fx._noise_input import MAX_STEPS, SQUARED_STREAM_COUNTER, check_second_moment_share
 from opake_fx._noise_prefetch import NoisePrefetcher
+from opake_fx.errors import InputValueError
 from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths
-from opake_fx.random import RngKey, flat_tree_normal, fold_in, tree_normal
+from opake_fx.random import RngKey, flat_tree_normal, flat_tree_normal_rows, fold_in, tree_normal
 from opake_fx.secure_random import add_secure_gaussian
 from opake_fx.types import PerGroup
 
@@ -156,8 +158,14 @@ def noised_tree(
     exact: bool = False,
     secure: bool = False,
     prefetcher: NoisePrefetcher | None = None,
+    rows: tuple[Any, Any] | None = None,
 ) -> Any:
     """``pytree`` plus step ``step``'s Gaussian noise under ``key`` (the tree itself for std 0).
+
+    With ``rows = (full_shapes, row_ranges)`` the leaves are row shards of leaves of
+    ``full_shapes`` and get exactly their rows of the unsharded draw
+    (:func:`~opake_fx.random.flat_tree_normal_rows`); not with ``exact``, ``secure`` or a
+    ``prefetcher``.
 
     The noise of every leaf comes from ``fold_in(key, step)`` (:func:`add_gaussian_noise`);
     a :class:`~opake_fx.types.PerGroup` ``std`` gives each leaf its group's stddev. With a
@@ -183,6 +191,11 @@ def noised_tree(
     else:
         leaves, spec = optree.tree_flatten(pytree, namespace=NAMESPACE)
         stds = float(std)
+    if rows is not None:
+        if exact or secure or prefetcher is not None:
+            raise InputValueError("noised_tree: row shards take the keyed draw only (no exact, secure or prefetcher).")
+        draw = functools.partial(flat_tree_normal_rows, full_shapes=rows[0], rows=rows[1])
+        return spec.unflatten(add_gaussian_noise(leaves, fold_in(key, step), stds, draw=draw))
     if prefetcher is None:
         return spec.unflatten(add_gaussian_noise(leaves, fold_in(key, step), stds, exact=exact, secure=secure))
     noised = add_gaussian_noise(leaves, fold_in(key, step), stds, draw=prefetcher.draw)

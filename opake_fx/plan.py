@@ -453,7 +453,12 @@ class DPPlan:
                 the whole batch with per-example losses ``[B]`` for ``"ghost"``/``"auto"``.
             optimizer: a ``Transform`` from :mod:`opake_fx.optimizers`.
             key: the noise key (the SAME on every rank; not the sampler key).
-            model: the functional model, for ``"ghost"``/``"auto"``.
+            model: the functional model, for ``"ghost"``/``"auto"``. The functional model
+                of an FSDP2-sharded module (:func:`opake_fx.distributed.fsdp.make_functional_fsdp`)
+                makes the pipeline the sharded DP step
+                (:func:`~opake_fx.distributed.fsdp.fsdp_pipeline`: gather, clip, reduce-scatter,
+                each rank noises its rows of the unsharded noise, updates its shards), for any
+                backend; ``params`` are then the sharded ones.
             batch_argnums: the positions of the batch tensors in ``loss_fn``. With
                 ``privacy_unit="user"``, ``loss_fn`` is written as for an example-level
                 plan (one example for ``"vmap"``, per-example losses ``[N]`` for the fast
@@ -489,6 +494,9 @@ class DPPlan:
 
         if not isinstance(key, RngKey):
             raise InputTypeError(f"DPPlan.pipeline needs key=opake_fx.random.key(seed) (the noise key); got {type(key).__name__}.")
+        sharded = _is_sharded_model(model)
+        if sharded:
+            self._check_shardable()
         self._key_roles.claim(("noise", key), *[(r, k) for r, k in (("count", count_key), ("augmentation", augment_key))
                                            if isinstance(k, RngKey)])
         if self.user_sampling == "users":  # one unit = one user's block of examples and its mask
@@ -537,12 +545,30 @@ class DPPlan:
         else:
             clip_stage = factory(loss_fn, **clip_args)
         clip_stage = mode.finish(clip_stage)
+        if sharded:  # FSDP2: gather, clip, reduce-scatter, noise this rank's rows
+            from opake_fx.distributed.fsdp import fsdp_pipeline
+
+            return fsdp_pipeline(clip_stage, noise_stage, optimizer)
         return named_chain(
             ("clip", clip_stage),
             ("psum", psum()),
             ("noise", noise_stage),
             ("opt", optimizer),
         )
+
+    def _check_shardable(self) -> None:
+        """Refuses the parts whose sharded (FSDP2) release is not built."""
+        unsupported = [f"{name}={value!r}" for name, value, ok in (
+            ("mechanism", self.mechanism, ("gaussian",)), ("clipping_mode", self.clipping_mode, ("fixed", "auto")),
+            ("augmult", self.augmult, (1,))) if value not in ok]
+        if isinstance(self.clipping_norm, PerGroup):
+            unsupported.append("per-group clipping_norm")
+        if unsupported:
+            raise InputValueError(
+                f"DPPlan.pipeline: an FSDP2 model (make_functional_fsdp) trains with mechanism='gaussian', "
+                f"clipping_mode='fixed' or 'auto', one clipping_norm and augmult=1; got {', '.join(unsupported)}. The "
+                "other parts' sharded releases are not built: train them data-parallel."
+            )
 
     def padding_buckets(self, growth: float = 1.25) -> tuple[int, ...]:
         """Padded batch sizes for this plan's sampler (:func:`opake_fx.padding.geometric_buckets`).
@@ -1091,6 +1117,17 @@ class DPPlan:
             mid = 0.5 * (low + high)
             low, high = (low, mid) if meets(mid) else (mid, high)
         return high
+
+
+def _is_sharded_model(model: Any) -> bool:
+    """True for the functional model of an FSDP2-sharded module (``make_functional_fsdp``)."""
+    from opake_fx.functional import FunctionalModel
+
+    if not isinstance(model, FunctionalModel) or type(model) is FunctionalModel:
+        return False
+    from opake_fx.distributed.fsdp import FSDPFunctionalModel
+
+    return isinstance(model, FSDPFunctionalModel)
 
 
 # Relative room between the one-shot composition of a whole run and the accountant's running

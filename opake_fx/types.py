@@ -56,6 +56,7 @@ __all__ = [
     "PerGroup",
     "ClippedPytree",
     "NoisedPytree",
+    "RowShardedClippedPytree",
     "SecondMomentClippingOutput",
     "SecondMomentNoiseOutput",
     "EmptyState",
@@ -357,6 +358,65 @@ class ClippedPytree:
                         "(NoisedPytree.to is post-processing), or clip in the narrower dtype (clipped_grad(..., dtype=...))."
                     )
         return replace(self, pytree=cast)
+
+
+@dataclass(frozen=True)
+class RowShardedClippedPytree:
+    """This rank's rows of a clipped value that is sharded along every leaf's first axis (FSDP2).
+
+    ``pytree`` holds this rank's shards: leaf ``i`` is rows ``rows[i] = (start, stop)`` of
+    a leaf of shape ``full_shapes[i]``; the ranks' shards together are one
+    :class:`ClippedPytree` of sensitivity ``max_norm``, summed over the ranks' examples
+    (what :func:`opake_fx.distributed.fsdp.reduce_scatter_clipped` makes).
+
+    Privacy contract: adding or removing one example changes the concatenation of every
+    rank's shards by at most ``max_norm`` in L2 norm. The noise stage draws each rank's
+    rows of the ONE unsharded noise (:func:`opake_fx.random.flat_tree_normal_rows`), so
+    the released whole is the unsharded Gaussian mechanism. It is deliberately not a
+    :class:`ClippedPytree` and has no map or scale: a mechanism that drew the same keyed
+    noise for every rank's shard would give equal noise to different coordinates (the
+    difference of two shards would cancel it), so everything but a rows-aware noise
+    stage refuses it.
+
+    Raises:
+        InputValueError: ``max_norm`` not a positive real, or leaves, shapes and rows
+            that do not line up.
+
+    Example:
+        >>> import torch
+        >>> v = RowShardedClippedPytree((torch.zeros(2, 3),), max_norm=0.5, full_shapes=((4, 3),), rows=((2, 4),))
+        >>> v.sensitivity
+        0.5
+    """
+
+    pytree: Any
+    max_norm: float
+    full_shapes: tuple[tuple[int, ...], ...]
+    rows: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        m = self.max_norm
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < math.inf:
+            raise InputValueError(f"RowShardedClippedPytree max_norm must be a finite real number > 0; got {m!r}.")
+        leaves = optree.tree_leaves(self.pytree, namespace=NAMESPACE)
+        full = tuple(tuple(int(d) for d in s) for s in self.full_shapes)
+        rows = tuple((int(a), int(b)) for a, b in self.rows)
+        if not len(leaves) == len(full) == len(rows) or any(
+            not 0 <= a <= b <= (s[0] if s else 0) or tuple(leaf.shape) != (b - a, *s[1:])
+            for leaf, s, (a, b) in zip(leaves, full, rows)
+        ):
+            raise InputValueError(
+                "RowShardedClippedPytree: each leaf must be rows [start, stop) of its full shape; got leaf shapes "
+                f"{[tuple(leaf.shape) for leaf in leaves]}, full shapes {list(full)}, rows {list(rows)}."
+            )
+        object.__setattr__(self, "max_norm", float(m))
+        object.__setattr__(self, "full_shapes", full)
+        object.__setattr__(self, "rows", rows)
+
+    @property
+    def sensitivity(self) -> float:
+        """The L2 sensitivity of the whole (all ranks' shards together): ``max_norm``."""
+        return self.max_norm
 
 
 @dataclass(frozen=True)

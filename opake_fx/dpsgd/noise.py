@@ -53,7 +53,8 @@ from opake_fx.random import RngKey
 from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.signatures import signature_of
 from opake_fx.transforms import Transform
-from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup, SecondMomentClippingOutput, SecondMomentNoiseOutput
+from opake_fx.types import (ClippedPytree, NoisedPytree, PerGroup, RowShardedClippedPytree, SecondMomentClippingOutput,
+                            SecondMomentNoiseOutput)
 
 __all__ = [
     "GaussianNoiseState",
@@ -156,6 +157,9 @@ def gaussian_noise(
         split above); charge it ONCE, never once per stream. Refuses
         anything that is not a ``ClippedPytree`` (unclipped gradients have unbounded
         sensitivity) and a ``NoisedPytree`` (noise is added once, after aggregation).
+        A :class:`~opake_fx.types.RowShardedClippedPytree` (this rank's rows of an
+        FSDP2-sharded gradient) gets exactly its rows of the unsharded noise, so the ranks'
+        shards together are the unsharded release, bit for bit.
         Under a process group every call checks that all ranks hold the same key, step,
         ``noise_multiplier``, ``max_norm`` and allocation (in full on the first call, then
         by one all-reduce of a digest) and raises ``DistributedMismatchError`` on every
@@ -186,6 +190,14 @@ def gaussian_noise(
     ranks_agree = AgreementCheck("gaussian_noise", fix=_AGREEMENT_FIX)
 
     def noise_fn(clipped: Any, state: GaussianNoiseState) -> tuple[Any, GaussianNoiseState]:
+        sharded = clipped if isinstance(clipped, RowShardedClippedPytree) else None
+        if sharded is not None:  # this rank's rows: it draws its rows of the one unsharded noise
+            if exact or secure:
+                raise InputValueError(
+                    "gaussian_noise: row-sharded (FSDP2) gradients take the keyed draw, whose rows every rank can "
+                    "draw alone; not exact=True or secure=True."
+                )
+            clipped = ClippedPytree(sharded.pytree, sharded.max_norm)
         pair = check_noise_call(clipped, state, GaussianNoiseState, noise_multiplier, mechanism="gaussian_noise")
         facts = [
             ("key", state.key),
@@ -215,6 +227,10 @@ def gaussian_noise(
             )
             return SecondMomentNoiseOutput(out1, out2), new_state
         std = noise_stddev_for(clipped.max_norm, noise_multiplier, allocation)
+        if sharded is not None:
+            noised = noised_tree(clipped.pytree, state.key, state.step, std,
+                                 rows=(sharded.full_shapes, sharded.rows))
+            return NoisedPytree(noised, clipped.max_norm, noise_stddev=std), new_state
         noised = noised_tree(clipped.pytree, state.key, state.step, std, exact=exact, secure=secure, prefetcher=prefetcher)
         return NoisedPytree(noised, clipped.max_norm, noise_stddev=std), new_state
 

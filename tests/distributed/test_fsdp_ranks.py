@@ -1,0 +1,153 @@
+"""DP training of an FSDP2 model on 2 gloo ranks equals the single-process run (issue 32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opake_fx.distributed import psum
+from opake_fx.dpsgd import clip, noise
+from opake_fx.functional import make_functional
+from opake_fx.optimizers import adam, sgd
+from opake_fx.random import key
+from opake_fx.transforms import apply_updates, named_chain
+
+STEPS, B, C, SIGMA = 20, 12, 0.7, 0.8
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # odd sizes: 7 and 3 rows split unevenly over 2 ranks (4 + 3, 2 + 1)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def _batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + t)
+    return torch.randn(B, 5, generator=g) * 3, torch.randint(0, 3, (B,), generator=g)
+
+
+def _stages(fmodel, backend, opt, zero_loss=False):
+    def loss(p, xb, yb):
+        out = F.cross_entropy(fmodel(p, xb), yb, reduction="none")
+        return out * 0.0 if zero_loss else out
+    return (clip(loss, clipping_norm=C, batch_argnums=(1, 2), normalize_by=float(B), clip_backend=backend, model=fmodel),
+            noise(noise_multiplier=SIGMA, key=key(7)), opt)
+
+
+def _single(backend: str, opt_name: str, zero_loss: bool = False) -> list[torch.Tensor]:
+    fmodel, params = make_functional(_model())
+    c, n, o = _stages(fmodel, backend, adam(1e-2) if opt_name == "adam" else sgd(1.0), zero_loss)
+    pipe = named_chain(("clip", c), ("psum", psum()), ("noise", n), ("opt", o))
+    state = pipe.init(params)
+    for t in range(STEPS):
+        updates, state = pipe.update(_batch(t), state, params)
+        params = apply_updates(params, updates)
+    return [p.clone() for p in params]
+
+
+def _sharded(rank: int, world_size: int, backend: str, opt_name: str, zero_loss: bool = False) -> list[list]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from opake_fx.distributed.fsdp import fsdp_pipeline, make_functional_fsdp
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    fmodel, params = make_functional_fsdp(model)
+    c, n, o = _stages(fmodel, backend, adam(1e-2) if opt_name == "adam" else sgd(1.0), zero_loss)
+    pipe = fsdp_pipeline(c, n, o)
+    state = pipe.init(params)
+    for t in range(STEPS):
+        x, y = _batch(t)
+        mine = slice(rank * B // world_size, (rank + 1) * B // world_size)  # each example on one rank
+        updates, state = pipe.update((x[mine], y[mine]), state, params)
+        params = apply_updates(params, updates)
+    return [p.full_tensor().tolist() for p in params]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend,opt_name", [("vmap", "adam"), ("auto", "sgd")])
+def test_fsdp2_training_equals_the_single_process_run(group2, backend, opt_name):
+    r0, r1 = group2.run(_sharded, backend, opt_name, timeout=180.0)
+    assert r0 == r1  # every rank gathers the same parameters
+    want = _single(backend, opt_name)
+    for got, w in zip(r0, want):
+        torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_fsdp2_noise_is_the_unsharded_noise_bit_for_bit(group2):
+    """A zero loss: the clipped sum is 0, so the parameters move by the noise alone (sgd, lr 1)."""
+    r0, _ = group2.run(_sharded, "vmap", "sgd", True, timeout=180.0)
+    want = _single("vmap", "sgd", zero_loss=True)
+    assert all(torch.equal(torch.tensor(got), w) for got, w in zip(r0, want))
+
+
+def _plan_run(rank: int, world_size: int, augmult: int = 1, keys=(0, 0)) -> list[list]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from opake_fx.distributed.fsdp import make_functional_fsdp
+    from opake_fx.plan import DPPlan
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (world_size,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    fmodel, params = make_functional_fsdp(model)
+    plan = DPPlan(dataset_size=96, batch_size=24, steps=4, clipping_norm=C, noise_multiplier=1.0, delta=1e-5,
+                  clip_backend="auto", augmult=augmult)
+    x = torch.randn(96, 5, generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, 3, (96,), generator=torch.Generator().manual_seed(4))
+    loss = lambda p, xb, yb: F.cross_entropy(fmodel(p, xb), yb, reduction="none")  # noqa: E731
+    pipe = plan.pipeline(loss, sgd(0.5), key=key(keys[rank]), model=fmodel)
+    state, acct = pipe.init(params), plan.accountant()
+    for t, batch in enumerate(plan.sampler(x, key(1))):
+        acct.step(plan.step_cost_at(t))
+        idx = torch.as_tensor(batch, dtype=torch.long)
+        updates, state = pipe.update((x[idx], y[idx]), state, params)
+        params = apply_updates(params, updates)
+    report = str(pipe.privacy_report(sample_rate=plan.sample_rate, steps=plan.steps, delta=plan.delta))
+    return [[p.full_tensor().tolist() for p in params], report, acct.epsilon]
+
+
+@pytest.mark.distributed
+def test_a_plan_drives_an_fsdp2_model_and_refuses_what_it_cannot_shard(group2):
+    (p0, report, eps), (p1, _, _) = group2.run(_plan_run, timeout=180.0)
+    assert p0 == p1 and "reduce_scatter" in report and "epsilon per example" in report and 0 < eps < float("inf")
+    outs = group2.outcomes(_plan_run, 2, timeout=180.0)
+    assert all(o.status == "error" and "FSDP2 model" in o.value and "augmult=2" in o.value for o in outs)
+
+
+@pytest.mark.distributed
+def test_ranks_with_different_noise_keys_are_refused(group2):
+    outs = group2.outcomes(_plan_run, 1, (0, 1), timeout=180.0)
+    assert all(o.status == "error" and "key" in o.value for o in outs)
+
+
+def test_sharded_values_never_reach_an_unsharded_mechanism():
+    """A mechanism that draws the same keyed noise on every rank would give two ranks' shards equal noise (their
+    difference cancels it): a RowShardedClippedPytree is not a ClippedPytree, so DP-FTRL's noise and tree_map
+    paths refuse it, and only the rows-aware Gaussian draws its rows."""
+    from opake_fx.dpftrl.noise import mf_gaussian_noise
+    from opake_fx.dpftrl.strategies import identity_strategy
+    from opake_fx.errors import NoiseInputError
+    from opake_fx.types import RowShardedClippedPytree
+
+    shard = RowShardedClippedPytree((torch.zeros(2, 3),), max_norm=0.5, full_shapes=((4, 3),), rows=((2, 4),))
+    noise_fn, state = mf_gaussian_noise(identity_strategy(3), noise_multiplier=1.0, key=key(0))
+    with pytest.raises(NoiseInputError, match="expects a ClippedPytree"):
+        noise_fn(shard, state)
+    other = RowShardedClippedPytree((torch.zeros(2, 3),), max_norm=0.5, full_shapes=((4, 3),), rows=((0, 2),))
+    stage = noise(noise_multiplier=1.0, key=key(0))
+    a, _ = stage.update(shard, stage.init(None))
+    b, _ = stage.update(other, stage.init(None))
+    assert not torch.equal(a.pytree[0], b.pytree[0])  # the two ranks' rows get different noise
+    with pytest.raises(Exception, match="rows"):
+        RowShardedClippedPytree((torch.zeros(3, 3),), max_norm=0.5, full_shapes=((4, 3),), rows=((2, 4),))
