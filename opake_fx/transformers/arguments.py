@@ -19,7 +19,7 @@ import transformers
 
 from opake_fx.errors import InputTypeError, InputValueError
 
-__all__ = ["TrainingArguments", "SAMPLING_MODES", "CLIP_BACKENDS", "CLIPPING_MODES"]
+__all__ = ["TrainingArguments", "SAMPLING_MODES", "CLIP_BACKENDS", "CLIPPING_MODES", "PRIVACY_UNITS", "USER_SAMPLINGS"]
 
 SAMPLING_MODES = ("poisson", "cyclic_poisson", "b_min_sep", "balls_in_bins", "sequential")
 """``poisson`` (DP-SGD's default), the DP-FTRL samplers, and ``sequential`` (a fixed
@@ -27,11 +27,15 @@ in-order batch order: only for the non-private baseline ``privacy_noise_multipli
 
 CLIP_BACKENDS = ("auto", "vmap", "ghost")
 CLIPPING_MODES = ("fixed", "adaptive", "auto")
+PRIVACY_UNITS = ("example", "user")
+"""What one neighbouring data set adds or removes: one example, or all of one user's examples."""
+USER_SAMPLINGS = ("users", "examples")
+"""With ``privacy_unit="user"``: sample users (ULS) or capped examples (ELS, group privacy)."""
 # The plan fields DPTrainer sets from the arguments; sampling_kwargs and the mechanism's kwargs may set the others
 # (today: bands, max_batch_size; whatever DPPlan grows later passes through).
 MAPPED_PLAN_FIELDS = ("dataset_size", "batch_size", "sample_rate", "steps", "epochs", "clipping_norm", "target_epsilon",
                       "delta", "noise_multiplier", "sampling", "mechanism", "clip_backend", "accountant_kind",
-                      "clipping_mode", "clipping_kwargs")
+                      "clipping_mode", "clipping_kwargs", "privacy_unit", "max_examples_per_user", "user_sampling")
 
 
 def _plan_options() -> list[str]:
@@ -118,6 +122,31 @@ class TrainingArguments(transformers.TrainingArguments):
             of a batch are computed this many examples at a time and summed (``None``:
             the whole batch at once). The batch, the clipping, the noise and the
             accounting are the same with or without it.
+        privacy_unit: ``"example"`` (default: add-or-remove-one-example neighbours, every
+            epsilon per example) or ``"user"`` (add-or-remove-one-user: all of a user's
+            examples present or absent; every epsilon per user). With ``"user"`` each
+            example of the train dataset must carry its user's id in
+            ``privacy_user_id_column``; the plan is ``DPPlan(privacy_unit="user")`` and
+            ``privacy_target_epsilon`` / ``privacy_target_delta`` are per user (default
+            delta ``1 / U**1.1``, ``U`` the number of users). ``sampling_mode="poisson"``
+            and ``privacy_noise_mechanism="gaussian"`` only.
+        privacy_user_id_column: the column (a ``datasets.Dataset`` column, or the key of
+            each example's dict) holding the user id (an int or a string; not a float).
+            ``DPTrainer`` reads it once and removes it from the model's inputs. Two ids for
+            one person are two users: the guarantee is per id.
+        privacy_max_examples_per_user: ``k``, required with ``privacy_unit="user"`` and
+            refused otherwise: the most examples of one user in a step (``"users"``), or in
+            the whole run (``"examples"``); a user with more contributes a keyed random
+            subset of ``k``.
+        privacy_user_sampling: with ``privacy_unit="user"``: ``"users"`` (default; ULS:
+            each user joins a step with probability ``q`` with up to ``k`` examples, and the
+            mean of their examples' losses is clipped as ONE unit;
+            ``per_device_train_batch_size`` then counts expected USERS per step and rank,
+            ``num_train_epochs`` passes over users) or ``"examples"`` (ELS: each user keeps a
+            keyed subset of at most ``k`` examples for the whole run, the kept examples are
+            Poisson-sampled and clipped one by one, and the per-user epsilon is the
+            example-level one by group privacy for ``k``; both epsilons are reported).
+            ``"examples"`` is refused with ``privacy_unit="example"``.
 
     Raises:
         InputValueError / InputTypeError: a missing, contradictory or unsupported DP
@@ -125,13 +154,19 @@ class TrainingArguments(transformers.TrainingArguments):
 
     Privacy contract: the fields above are the whole privacy configuration of the run;
     ``DPTrainer`` builds exactly one ``DPPlan`` from them, whose sampler, noise and
-    accountant read the same values.
+    accountant read the same values. With ``privacy_unit="user"`` the unit of that plan,
+    and of every epsilon the trainer logs or returns, is the user as
+    ``privacy_user_id_column`` defines it.
 
     Example:
         >>> args = TrainingArguments(output_dir="/tmp/opake-doc", privacy_target_epsilon=8.0,
         ...                          per_device_train_batch_size=16, report_to="none")
-        >>> args.clip_backend, args.sampling_mode, args.privacy_noise_mechanism
-        ('auto', 'poisson', 'gaussian')
+        >>> args.clip_backend, args.sampling_mode, args.privacy_noise_mechanism, args.privacy_unit
+        ('auto', 'poisson', 'gaussian', 'example')
+        >>> users = TrainingArguments(output_dir="/tmp/opake-doc", privacy_target_epsilon=8.0, report_to="none",
+        ...                           privacy_unit="user", privacy_max_examples_per_user=4)
+        >>> users.privacy_user_id_column, users.privacy_user_sampling
+        ('user_id', 'users')
     """
 
     privacy_target_epsilon: float | None = field(default=None, metadata={"help": "Target epsilon of the whole run."})
@@ -155,6 +190,12 @@ class TrainingArguments(transformers.TrainingArguments):
     privacy_seed: int | None = field(default=None, metadata={"help": "Seed of noise and sampling (None: OS CSPRNG)."})
     per_example_loss_reduction: str = field(default="mean", metadata={"help": "mean or sum over each example's tokens."})
     microbatch_size: int | None = field(default=None, metadata={"help": "Memory only: examples per clipping chunk."})
+    privacy_unit: str = field(default="example", metadata={"help": "example or user: the unit every epsilon is per."})
+    privacy_user_id_column: str = field(default="user_id", metadata={"help": "The column of each example's user id."})
+    privacy_max_examples_per_user: int | None = field(
+        default=None, metadata={"help": "k: the most examples of one user (per step for users, per run for examples)."}
+    )
+    privacy_user_sampling: str = field(default="users", metadata={"help": "users (ULS) or examples (ELS)."})
 
     def __post_init__(self) -> None:
         check_max_grad_norm(self.max_grad_norm)
@@ -290,6 +331,61 @@ class TrainingArguments(transformers.TrainingArguments):
                 f"TrainingArguments: microbatch_size must be a positive int (examples per chunk of the clipped "
                 f"gradient) or None (the whole batch at once); got {mb!r}."
             )
+        self._check_privacy_unit()
+
+    def _check_privacy_unit(self) -> None:
+        _choice(self.privacy_unit, "privacy_unit", PRIVACY_UNITS)
+        _choice(self.privacy_user_sampling, "privacy_user_sampling", USER_SAMPLINGS)
+        col = self.privacy_user_id_column
+        if not isinstance(col, str) or not col:
+            raise InputTypeError(
+                f"TrainingArguments: privacy_user_id_column must be a non-empty string (a column name); got {col!r}."
+            )
+        k = self.privacy_max_examples_per_user
+        if self.privacy_unit == "example":
+            if k is not None:
+                raise InputValueError(
+                    f"TrainingArguments: privacy_max_examples_per_user={k!r} applies to privacy_unit='user' only; with "
+                    "privacy_unit='example' every epsilon is per example and no user cap is applied. Set "
+                    "privacy_unit='user' (and privacy_user_id_column) for a per-user guarantee, or leave it out."
+                )
+            if self.privacy_user_sampling != "users":
+                raise InputValueError(
+                    f"TrainingArguments: privacy_user_sampling={self.privacy_user_sampling!r} applies to "
+                    "privacy_unit='user' only; set privacy_unit='user' and privacy_max_examples_per_user, or leave it "
+                    "at its default."
+                )
+            return
+        if k is None:
+            raise InputValueError(
+                "TrainingArguments: privacy_unit='user' needs privacy_max_examples_per_user (k): the most examples of "
+                "one user in a step (privacy_user_sampling='users') or in the run ('examples'), e.g. 8; a user with more "
+                "contributes a random subset of k."
+            )
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise InputValueError(f"TrainingArguments: privacy_max_examples_per_user must be an int >= 1; got {k!r}.")
+        unsupported = [f"{name}={value!r}" for name, value, ok in (
+            ("sampling_mode", self.sampling_mode, "poisson"),
+            ("privacy_noise_mechanism", self.privacy_noise_mechanism, "gaussian")) if value != ok]
+        if unsupported:
+            raise InputValueError(
+                f"TrainingArguments: privacy_unit='user' is built for sampling_mode='poisson' and "
+                f"privacy_noise_mechanism='gaussian' (Poisson sampling accounted as DP-SGD over users, or over capped "
+                f"examples); got {', '.join(unsupported)}."
+            )
+        if self.privacy_user_sampling == "users" and self.clip_backend == "vmap":
+            raise InputValueError(
+                "TrainingArguments: clip_backend='vmap' is not supported with privacy_unit='user' and "
+                "privacy_user_sampling='users': a user's loss would vmap over their examples inside the clip's vmap "
+                "over users, and Hugging Face models' mask code does not run under two vmaps. Use clip_backend='auto' "
+                "(default) or 'ghost' (the same clipped sum, exact)."
+            )
+        if self.privacy_user_sampling == "examples" and self.clipping_mode == "adaptive":
+            raise InputValueError(
+                "TrainingArguments: privacy_user_sampling='examples' takes clipping_mode='fixed' or 'auto': adaptive "
+                "clipping's noised count is accounted per example and its per-user (group) conversion is not built. "
+                "Use privacy_user_sampling='users'."
+            )
 
     def _check_per_group_norms(self, norms: dict) -> None:
         from opake_fx.plan import regex_norms
@@ -333,6 +429,12 @@ class TrainingArguments(transformers.TrainingArguments):
             )
         if self.per_device_train_batch_size < 1:
             raise InputValueError("TrainingArguments: per_device_train_batch_size (the expected batch) must be >= 1.")
+        if self.privacy_unit == "user" and self.privacy_user_sampling == "users" and self.torch_compile:
+            raise InputValueError(
+                "TrainingArguments: torch_compile=True is not supported with privacy_unit='user' and "
+                "privacy_user_sampling='users' yet: the compiled step pads batches of examples, not blocks of users. "
+                "Set torch_compile=False, or privacy_user_sampling='examples'."
+            )
 
 
 def check_max_grad_norm(value: Any, where: str = "TrainingArguments") -> None:

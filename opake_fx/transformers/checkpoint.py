@@ -12,7 +12,7 @@ load):
   (:func:`load_dp_state`) all of it must be one step of the resuming trainer's plan, and
   Hugging Face's ``trainer_state.json`` must be at that step too;
 * ``accountant.json``: a human-readable report (the plan, the steps taken, the epsilon
-  spent). Nothing is checked against it: deleting or editing it changes no check.
+  spent, in the plan's unit and per example / per user). Nothing is checked against it: deleting or editing it changes no check.
 """
 
 from __future__ import annotations
@@ -113,15 +113,23 @@ def _trainer_step_problem(directory: str, path: str, trainer_step: Any, step: in
     return None
 
 
-def write_accountant_json(directory: str, *, plan: Any, steps: int, epsilon: float, accountant: Any) -> None:
+def write_accountant_json(directory: str, *, plan: Any, steps: int, epsilon: float, accountant: Any,
+                          epsilons: dict[str, float] | None = None) -> None:
     """``accountant.json``: a report of the plan, the steps taken, epsilon spent and the accountant's state.
 
+    ``epsilon`` is in the plan's unit, which the report names (``privacy_unit``: ``"example"``
+    or ``"user"``; ``epsilon_unit``: ``"per example"`` / ``"per user"``); ``epsilons`` (the
+    spent epsilon in every unit that applies, :meth:`DPPlan.spent_epsilons`: both for
+    ``user_sampling="examples"``) is written as ``epsilon_per_example`` / ``epsilon_per_user``.
     Not read back by any check (the plan identity a resume checks is inside ``dp_state.rank{r}.pt``).
     """
     doc = {
         "plan": plan.to_dict(),
         "steps": steps,
-        "epsilon": epsilon if math.isfinite(epsilon) else "inf",
+        "privacy_unit": plan.privacy_unit,
+        "epsilon_unit": plan.epsilon_unit,
+        "epsilon": _finite_or_inf(epsilon),
+        **{f"epsilon_{unit}": _finite_or_inf(value) for unit, value in (epsilons or {}).items()},
         "delta": plan.delta,
         "noise_multiplier": plan.noise_multiplier,
         "accountant": None if accountant is None else accountant.state_dict(),
@@ -133,9 +141,14 @@ def write_accountant_json(directory: str, *, plan: Any, steps: int, epsilon: flo
 
 
 def read_accountant_json(directory: str) -> dict[str, Any]:
-    """The content of ``accountant.json`` (``epsilon`` as a float, inf included)."""
+    """The content of ``accountant.json`` (every ``epsilon*`` as a float, inf included)."""
     with open(os.path.join(directory, ACCOUNTANT_NAME)) as f:
         doc = json.load(f)
-    if doc.get("epsilon") == "inf":
-        doc["epsilon"] = math.inf
+    for name in [k for k in doc if k.startswith("epsilon") and k != "epsilon_unit"]:
+        if doc[name] == "inf":
+            doc[name] = math.inf
     return doc
+
+
+def _finite_or_inf(value: float) -> Any:
+    return value if math.isfinite(value) else "inf"

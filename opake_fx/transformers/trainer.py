@@ -43,6 +43,7 @@ from opake_fx.transformers import checkpoint as ckpt
 from opake_fx.transformers.arguments import TrainingArguments, check_max_grad_norm
 from opake_fx.transformers.losses import check_model, check_padding_invariance, per_example_loss_fn
 from opake_fx.transformers.optim import optimizer_from_args
+from opake_fx.users import UserIndex, collate_users
 
 __all__ = ["DPTrainer", "UNBOUNDED_CLIP"]
 
@@ -103,6 +104,24 @@ class DPTrainer(transformers.Trainer):
     accountant, privacy seed) next to Hugging Face's ``rng_state*.pth``;
     ``train(resume_from_checkpoint=...)`` continues the run exactly, dropout included.
 
+    User-level DP (``privacy_unit="user"``, ``privacy_max_examples_per_user=k``): each example's
+    user id is read once from ``privacy_user_id_column`` (a ``datasets.Dataset`` column or
+    each example's dict key; an error naming the column if it is missing) and removed from
+    the model's inputs; the plan counts users. With ``privacy_user_sampling="users"`` (ULS)
+    the sampler draws users (whole users per rank under ``torchrun``, never re-sharded
+    here) with up to ``k`` examples each; the step's examples are collated as one flat
+    batch by the data collator, stacked into user blocks ``[U, k, ...]`` with a mask, and
+    each user's mean example loss is clipped as one unit; a step whose groups are not
+    whole users' is refused; the logged ``loss`` is the mean over the step's users of their
+    mean example loss. With ``"examples"`` (ELS) the batches are example batches over the
+    examples a per-user cap of ``k`` keeps, and the per-user epsilon is the group-privacy
+    conversion of the per-example one. ``torch_compile`` and ``clip_backend="vmap"`` are
+    refused with ULS. Every epsilon names its unit: the final metrics hold
+    ``privacy_epsilon`` (in the plan's unit), ``privacy_unit`` (``"example"`` / ``"user"``)
+    and ``privacy_epsilon_per_example`` and/or ``privacy_epsilon_per_user`` (both for ELS);
+    the logs ``epsilon_per_example`` / ``epsilon_per_user`` next to ``epsilon``; and
+    ``accountant.json`` the unit.
+
     ``torch_compile=True`` (Hugging Face's own flag; ``torch_compile_mode`` too) compiles
     the DP step -- clip, noise, optimizer update -- with :func:`opake_fx.compiled.compile_step`
     (the model is not compiled separately): the Poisson batches are padded to the plan's
@@ -116,7 +135,11 @@ class DPTrainer(transformers.Trainer):
     example only; the batches come from the plan's sampler (each rank its disjoint shard,
     ``fold_in(key, rank)``), the clipped gradients are summed over ranks and the same
     noise is added on every rank; the accountant charges the plan's cost for every step
-    taken, so the logged epsilon is the run's.
+    taken, so the logged epsilon is the run's. With ``privacy_unit="user"`` the unit of all
+    of this is the user of ``privacy_user_id_column``: ULS clips each drawn user's mean
+    gradient (at most ``k`` examples) as one unit and shards whole users over ranks; ELS
+    clips examples of a run capped at ``k`` per user and reports the per-user epsilon by
+    group privacy.
 
     Example:
         >>> import contextlib, io, torch, transformers
@@ -191,7 +214,8 @@ class DPTrainer(transformers.Trainer):
             self._refuse_finished_run(previous)
         model = self.model
         check_model(model, args)
-        dataset = self._training_set()
+        dataset, users = self._training_set()
+        uls = users is not None and args.privacy_user_sampling == "users"
         rank, world = get_rank(), get_world_size()
         fmodel, params = make_functional(model, trainable_only=True)
         losses = per_example_loss_fn(model, reduction=args.per_example_loss_reduction,
@@ -210,14 +234,15 @@ class DPTrainer(transformers.Trainer):
             seed = previous["seed"]
         else:
             seed = resumed_meta["seed"] if resumed_meta is not None else self._privacy_seed()
-        plan = self._build_plan(len(dataset), world, params, fmodel.param_names)
+        plan = self._build_plan(len(dataset), world, params, fmodel.param_names, users)
         if previous is not None:
             plan = _same_plan(previous["plan"], plan)
         self.privacy_plan = plan
         noise_key, sampler_key = fold_in(key(seed), 0), fold_in(key(seed), 1)
         # adaptive clipping's count noise: its own key, the same on every rank
         pipeline_keys = {"count_key": fold_in(key(seed), 2)} if plan.clipping_mode == "adaptive" else {}
-        sampler = previous["sampler"] if previous is not None else self._sampler(plan, dataset, sampler_key, rank, world)
+        sampler = previous["sampler"] if previous is not None else self._sampler(plan, dataset, sampler_key, rank, world,
+                                                                                  users)
         # Hugging Face's weight-decay split (no decay for biases and norm weights), over the trainable parameters
         decayed = set(self.get_decay_parameter_names(model))
         optimizer = optimizer_from_args(args, plan.steps, decay_mask=[n in decayed for n in fmodel.param_names])
@@ -272,6 +297,9 @@ class DPTrainer(transformers.Trainer):
                 accountant = restored["accountant"]
             start_step = restored["step"]
             fmodel.load_into_model(params)
+        else:  # make_functional's tensors are the model's own, which load_into_model overwrites after each step:
+            # the first step's parameters (its logged loss's fallback) are kept in a copy of their own
+            params = tuple(p.detach().clone() for p in params)
         self.accountant = accountant
         # "charged": the steps the accountant has paid for; one more than "step" while a step is being computed
         charged = previous["charged"] if previous is not None else start_step
@@ -302,15 +330,25 @@ class DPTrainer(transformers.Trainer):
         # recorded (a batch empty here keeps the previous one's): the logged loss, with no forward pass of its own
         last_record = (state["clip"].loss_sum, state["clip"].loss_count)
         first_examples = list(range(min(len(dataset), _PROBE_EXAMPLES)))
+        # ULS: the fallback loss is that of the first users (each their first k examples), averaged per user
+        first_users = [users.examples_of(u)[:plan.max_examples_per_user]
+                       for u in range(min(users.n_users, _PROBE_EXAMPLES))] if uls else None
+
+        def fallback_loss(at_params: Any) -> tuple[float, int]:
+            if first_users is None:
+                return _loss_sum(losses, fmodel, at_params, self._collated_tensors(collate, first_examples),
+                                 args.clipping_chunk_size)
+            flat = self._collated_tensors(collate, [i for g in first_users for i in g])
+            return _user_loss_sum(losses, fmodel, at_params, flat, [len(g) for g in first_users])
 
         def log_step(at_params: Any, lr_step: int) -> None:
             """Logs the recorded loss (``at_params``: the parameters of the step, for the fallback only),
-            the learning rate of step ``lr_step`` (from 0), the epsilon spent and the plan's delta."""
-            logs = {"loss": self._logged_loss(last_record, lambda: _loss_sum(
-                        losses, fmodel, at_params, self._collated_tensors(collate, first_examples),
-                        args.clipping_chunk_size)),
+            the learning rate of step ``lr_step`` (from 0), the epsilon spent (in the plan's unit, and
+            per unit) and the plan's delta."""
+            logs = {"loss": self._logged_loss(last_record, lambda: fallback_loss(at_params)),
                     "learning_rate": float(optimizer_lr(args, plan, lr_step)),
                     "epsilon": self._spent_epsilon(), "delta": float(plan.delta)}
+            logs.update({f"epsilon_{unit}": value for unit, value in self._spent_epsilons().items()})
             if plan.clipping_mode == "adaptive":  # a function of the noised counts: released and accounted
                 logs["clipping_norm"] = float(state["clip"].clip_state.clipping_norm)
             self.log(logs, start_time)
@@ -318,12 +356,18 @@ class DPTrainer(transformers.Trainer):
         if resume_from_checkpoint is not None:  # last: nothing of the set-up draws from the restored streams
             self._restore_random_streams(resume_from_checkpoint)
         for step in range(start_step, plan.steps):
-            indices = list(sampler.batch(step))  # indices of the whole data set (the plan's sampler offsets shards)
+            if uls:  # one group per drawn user (whole users of this rank's shard), at most k examples each
+                groups = _checked_groups(sampler.batch(step), users, plan.max_examples_per_user, step)
+                indices = [i for g in groups for i in g]
+            else:
+                indices = list(sampler.batch(step))  # indices of the whole data set (the plan's sampler offsets shards)
             collated = collate(indices)  # on the host: looking for padding in it syncs no device
-            batch = self._prepare_inputs(collated)
             if not padding_checked and world == 1 and _has_padding(collated):  # one rank: no collective to strand
-                check_padding_invariance(losses, fmodel, params, batch)
+                check_padding_invariance(losses, fmodel, params, self._prepare_inputs(collated))
                 padding_checked = True
+            if uls:  # the flat batch, collated as the examples it is, stacked into user blocks [U, k, ...] + mask
+                collated = _user_blocks(collated, groups, plan.max_examples_per_user)
+            batch = self._prepare_inputs(collated)
             if accountant is not None and step >= self._dp["charged"]:
                 try:  # charged before the step is computed; refused (and not recorded) beyond the budget
                     accountant.step(plan.step_cost_at(step))
@@ -336,8 +380,9 @@ class DPTrainer(transformers.Trainer):
                 self._dp["charged"] = step + 1
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             model.train()  # an evaluation in between leaves the model in eval mode
+            user_mask = batch.pop(_USER_MASK) if uls else None
             keys = tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor)))
-            tensors = tuple(batch[k] for k in keys)
+            tensors = tuple(batch[k] for k in keys) + ((user_mask,) if uls else ())
             before = params  # the parameters the step is computed at (the logged loss's, and its fallback's)
             params, state = step_with(keys, tensors, state, params)
             if indices:  # known on the host: no device read
@@ -388,6 +433,14 @@ class DPTrainer(transformers.Trainer):
             raise InputValueError("DPTrainer does not support model_init; pass the model.")
         if getattr(self, "neftune_noise_alpha", None):
             raise InputValueError("DPTrainer: NEFTune noise is not supported (neftune_noise_alpha must be None).")
+        args = self.args
+        args._check_privacy_unit()  # again: the arguments may have been changed since they were made
+        if args.privacy_unit == "user" and args.privacy_user_sampling == "users" and args.torch_compile:
+            raise InputValueError(
+                "DPTrainer: torch_compile=True is not supported with privacy_unit='user' and "
+                "privacy_user_sampling='users' yet: the compiled step pads batches of examples, not blocks of users. "
+                "Set torch_compile=False, or privacy_user_sampling='examples'."
+            )
 
     def _refuse_finished_run(self, previous: dict[str, Any]) -> None:
         """Refuses a second ``train()`` once this trainer's run has taken all its steps or spent its budget."""
@@ -397,9 +450,9 @@ class DPTrainer(transformers.Trainer):
         why = "spent its budget" if previous.get("exhausted", False) else f"taken all {plan.steps} steps of its plan"
         raise InputValueError(
             f"DPTrainer.train(): this trainer's private run is complete: it has {why} (epsilon "
-            f"{self._spent_epsilon():.4g} at delta {plan.delta:.3g}). A second train() would train the same model on "
-            "the same data under a fresh budget, and the two runs' epsilons would add up unreported. To train longer, "
-            "plan it as one run (a larger max_steps or num_train_epochs under one privacy_target_epsilon) and train a "
+            f"{self._spent_epsilon():.4g} {plan.epsilon_unit} at delta {plan.delta:.3g}). A second train() would "
+            "train the same model on the same data under a fresh budget, and the two runs' epsilons would add up "
+            "unreported. To train longer, plan it as one run (a larger max_steps or num_train_epochs under one privacy_target_epsilon) and train a "
             "fresh model with a new DPTrainer. (A second train() on a run stopped early, by a callback or an error, "
             "continues it; a new DPTrainer on this trained model is a second run whose epsilon composes with this one's.)"
         )
@@ -429,7 +482,10 @@ class DPTrainer(transformers.Trainer):
         check_padding_invariance(losses, fmodel, params, tensors)
         return True
 
-    def _training_set(self) -> Any:
+    def _training_set(self) -> tuple[Any, _UserColumn | None]:
+        """The training set as the model sees it, and with ``privacy_unit="user"`` its
+        :class:`~opake_fx.users.UserIndex` (read from ``privacy_user_id_column``, which the
+        returned dataset no longer has); ``None`` for an example-level run."""
         dataset = self.train_dataset
         if dataset is None:
             raise InputValueError("DPTrainer.train needs a train_dataset.")
@@ -438,6 +494,9 @@ class DPTrainer(transformers.Trainer):
                 "DPTrainer needs a map-style train_dataset (with __len__ and indexing): Poisson sampling draws each "
                 "example independently, which a stream cannot do."
             )
+        users = None
+        if self.args.privacy_unit == "user":  # before Hugging Face drops the column the model does not take
+            users, dataset = _split_user_ids(dataset, self.args.privacy_user_id_column)
         try:
             import datasets
 
@@ -445,7 +504,7 @@ class DPTrainer(transformers.Trainer):
                 dataset = self._remove_unused_columns(dataset, description="training")
         except ImportError:  # pragma: no cover - datasets is optional
             pass
-        return dataset
+        return dataset, users
 
     def _privacy_seed(self) -> int:
         seed = self.args.privacy_seed
@@ -455,9 +514,22 @@ class DPTrainer(transformers.Trainer):
                 seed = int(all_reduce(torch.tensor([seed], dtype=torch.int64), "sum")[0])
         return int(seed)
 
-    def _build_plan(self, n: int, world: int, params: Any, names: tuple[str, ...]) -> DPPlan:
-        """The run's plan; a per-group ``clipping_norm`` dict is matched against the trainable ``names``."""
+    def _build_plan(self, n: int, world: int, params: Any, names: tuple[str, ...], users: _UserColumn | None = None,
+                    ) -> DPPlan:
+        """The run's plan; a per-group ``clipping_norm`` dict is matched against the trainable ``names``.
+
+        With ``privacy_unit="user"`` (``users`` given) the plan counts users (``"users"``:
+        ``dataset_size`` the number of users, the batch the expected users per step) or the
+        examples a cap of ``k`` per user keeps (``"examples"``), and the default delta is
+        ``1 / U**1.1`` for ``U`` users."""
         args = self.args
+        unit: dict[str, Any] = {}
+        if users is not None:
+            k = int(args.privacy_max_examples_per_user)
+            unit = dict(privacy_unit="user", max_examples_per_user=k, user_sampling=args.privacy_user_sampling)
+            n_units, n = users.n_users, (users.n_users if args.privacy_user_sampling == "users" else users.capped_size(k))
+        else:
+            n_units = n
         length: dict[str, Any] = {"steps": int(args.max_steps)} if args.max_steps > 0 else {"epochs": float(args.num_train_epochs)}
         if isinstance(args.clipping_norm, dict):
             clip: Any = per_group_by_regex(params, names, args.clipping_norm)
@@ -472,7 +544,7 @@ class DPTrainer(transformers.Trainer):
             batch_size=float(args.logical_batch_size * world),
             clipping_norm=clip,
             target_epsilon=args.privacy_target_epsilon,
-            delta=args.privacy_target_delta if args.privacy_target_delta is not None else 1.0 / n**1.1,
+            delta=args.privacy_target_delta if args.privacy_target_delta is not None else 1.0 / n_units**1.1,
             noise_multiplier=args.privacy_noise_multiplier,
             sampling="poisson" if sequential else args.sampling_mode,
             mechanism=args.privacy_noise_mechanism,
@@ -480,16 +552,22 @@ class DPTrainer(transformers.Trainer):
             accountant_kind=args.privacy_accountant,
             clipping_mode=args.clipping_mode,
             clipping_kwargs=args.clipping_kwargs,
+            **unit,
             **length,
             **extra,
         )
 
-    def _sampler(self, plan: DPPlan, dataset: Any, sampler_key: Any, rank: int, world: int) -> Any:
+    def _sampler(self, plan: DPPlan, dataset: Any, sampler_key: Any, rank: int, world: int,
+                 users: _UserColumn | None = None) -> Any:
+        """This rank's batch sampler: the plan's (with ``users``: over whole users of this rank,
+        :meth:`DPPlan.sampler`'s ``user_ids``; nothing here re-shards examples)."""
         if self.args.sampling_mode == "sequential":
             from opake_fx.dpsgd.sampling import SequentialBatchSampler
 
             return SequentialBatchSampler(len(dataset), batch_size=self.args.logical_batch_size,
                                           n_steps=plan.steps, drop_last=self.args.dataloader_drop_last)
+        if users is not None:
+            return plan.sampler(dataset, sampler_key, rank=rank, world_size=world, user_ids=users.ids)
         return plan.sampler(dataset, sampler_key, rank=rank, world_size=world)
 
     def _collated_tensors(self, collate: Callable[[list[int]], dict[str, Any]], indices: list[int]) -> dict[str, torch.Tensor]:
@@ -532,9 +610,20 @@ class DPTrainer(transformers.Trainer):
         self._load_rng_state(directory)
 
     def _spent_epsilon(self) -> float:
+        """The epsilon spent so far in the plan's unit (``plan.epsilon_unit``: per example or per user)."""
+        plan = self.privacy_plan
+        return self._spent_epsilons()[plan.epsilon_unit.replace(" ", "_")]
+
+    def _spent_epsilons(self) -> dict[str, float]:
+        """The epsilon spent so far in every unit that applies (:meth:`DPPlan.spent_epsilons`):
+        ``{"per_example"}``, ``{"per_user"}`` (ULS) or both (ELS)."""
+        plan = self.privacy_plan
         if self.accountant is None:
-            return math.inf if self.state.global_step > 0 else 0.0
-        return float(self.accountant.spent_epsilon(self.privacy_plan.delta))
+            spent = math.inf if self.state.global_step > 0 else 0.0
+            units = ("per_example", "per_user") if plan.user_sampling == "examples" else (
+                plan.epsilon_unit.replace(" ", "_"),)
+            return {u: spent for u in units}
+        return {u: float(e) for u, e in plan.spent_epsilons(self.accountant).items()}
 
     def _finish(self, plan: DPPlan, start_step: int, start_time: float, stopped_by_budget: bool) -> TrainOutput:
         from transformers.trainer_utils import speed_metrics
@@ -548,7 +637,11 @@ class DPTrainer(transformers.Trainer):
         if losses:
             train_loss = sum(losses) / len(losses)
         metrics["train_loss"] = train_loss
-        metrics["privacy_epsilon"] = self._spent_epsilon()
+        spent = self._spent_epsilons()
+        metrics["privacy_epsilon"] = spent[plan.epsilon_unit.replace(" ", "_")]  # in the plan's unit
+        metrics["privacy_unit"] = plan.privacy_unit
+        for unit, value in spent.items():
+            metrics[f"privacy_epsilon_{unit}"] = value
         metrics["privacy_delta"] = plan.delta
         metrics["privacy_noise_multiplier"] = plan.noise_multiplier
         metrics["privacy_steps"] = self.state.global_step
@@ -573,7 +666,7 @@ class DPTrainer(transformers.Trainer):
                            sampler=inner, accountant=self.accountant, meta={"seed": dp["seed"], "step": dp["step"]})
         if self.args.should_save:
             ckpt.write_accountant_json(output_dir, plan=dp["plan"], steps=dp["step"], epsilon=self._spent_epsilon(),
-                                       accountant=self.accountant)
+                                       accountant=self.accountant, epsilons=self._spent_epsilons())
 
     def _save_scaler(self, output_dir: str) -> None:
         return None
@@ -589,6 +682,7 @@ class DPTrainer(transformers.Trainer):
 # --- helpers -----------------------------------------------------------------------------
 
 _META_TEMPLATE = {"seed": 0, "step": 0}
+_USER_MASK = "__opake_user_mask__"  # the key of the user blocks' mask in a ULS batch (popped before the model)
 _PROBE_EXAMPLES = 8  # the examples train() runs the loss on before the first step (checks only)
 
 
@@ -659,6 +753,123 @@ def _loss_sum(losses: Callable[..., torch.Tensor], fmodel: FunctionalModel, para
             values = losses(fmodel, params, {k: v[start:start + step] for k, v in batch.items()})
             total, count = total + float(values.detach().double().sum()), count + int(values.shape[0])
     return total, count
+
+
+def _user_loss_sum(losses: Callable[..., torch.Tensor], fmodel: FunctionalModel, params: Any,
+                   batch: dict[str, torch.Tensor], sizes: list[int]) -> tuple[float, int]:
+    """ULS: sum and count over users of each user's mean example loss; ``batch`` holds the users'
+    examples in order, ``sizes`` how many each (what the clipping pass records with users as units)."""
+    with torch.no_grad():
+        values = losses(fmodel, params, batch).detach().double()
+    total, start = 0.0, 0
+    for s in sizes:
+        total += float(values[start:start + s].mean())
+        start += s
+    return total, len(sizes)
+
+
+def _split_user_ids(dataset: Any, column: str) -> tuple[_UserColumn, Any]:
+    """The :class:`UserIndex` of ``dataset``'s ``column`` and the dataset without that column.
+
+    A ``datasets.Dataset`` column is read whole and removed (``remove_columns``); any other
+    map-style dataset must give a dict per example, read once, and is viewed without the key."""
+    try:
+        import datasets
+
+        if isinstance(dataset, datasets.Dataset):
+            if column not in dataset.column_names:
+                raise InputValueError(
+                    f"DPTrainer: privacy_unit='user' reads each example's user id from the column "
+                    f"privacy_user_id_column={column!r}, but the train_dataset has no such column; its columns are "
+                    f"{dataset.column_names}. Add the column, or set privacy_user_id_column."
+                )
+            return _UserColumn([_user_id(v, column, i) for i, v in enumerate(dataset[column])]), \
+                dataset.remove_columns([column])
+    except ImportError:  # pragma: no cover - datasets is optional
+        pass
+    ids = []
+    for i in range(len(dataset)):
+        example = dataset[i]
+        if not isinstance(example, Mapping) or column not in example:
+            got = sorted(example) if isinstance(example, Mapping) else type(example).__name__
+            raise InputValueError(
+                f"DPTrainer: privacy_unit='user' reads each example's user id from privacy_user_id_column={column!r}, "
+                f"but example {i} of the train_dataset has no such field (it has {got}). Give every example its "
+                "user's id under that key, or set privacy_user_id_column."
+            )
+        ids.append(_user_id(example[column], column, i))
+    return _UserColumn(ids), _WithoutColumn(dataset, column)
+
+
+def _user_id(value: Any, column: str, i: int) -> Any:
+    """A user id as a plain hashable: a one-element integer tensor becomes its int (a tensor hashes by identity)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.is_complex():
+            raise InputTypeError(
+                f"DPTrainer: the user id of example {i} (column {column!r}) is a tensor of shape "
+                f"{tuple(value.shape)} and dtype {value.dtype}; give one int or string per example."
+            )
+        return int(value.item())
+    return value
+
+
+class _UserColumn(UserIndex):
+    """The :class:`UserIndex` of the user-id column, keeping the ids (``ids``, for the plan's sampler)
+    and each example's user number (``owner``, for the per-step check)."""
+
+    def __init__(self, ids: list[Any]) -> None:
+        super().__init__(ids)
+        self.ids = ids
+        self.owner = [0] * self.n_examples
+        for u in range(self.n_users):
+            for i in self.examples_of(u):
+                self.owner[i] = u
+
+
+class _WithoutColumn(torch.utils.data.Dataset):
+    """``dataset`` whose examples (dicts) lack ``column``: the model and the collator never see it."""
+
+    def __init__(self, dataset: Any, column: str) -> None:
+        self.dataset, self.column = dataset, column
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {k: v for k, v in self.dataset[i].items() if k != self.column}
+
+
+def _checked_groups(groups: Any, users: _UserColumn, k: int, step: int) -> list[list[int]]:
+    """A ULS step's groups, refused unless each is at most ``k`` examples of one user and no user is
+    drawn twice (the unit the clip bounds is exactly one user's contribution)."""
+    out = [list(g) for g in groups]
+    owner = users.owner
+    seen: set[int] = set()
+    for g in out:
+        who = {owner[i] for i in g}
+        if len(g) > k or len(who) != 1 or who & seen:
+            raise InputValueError(
+                f"DPTrainer: step {step + 1}'s user groups are not whole users' examples (at most "
+                f"privacy_max_examples_per_user={k} of one user per group, each user once); the step is refused, as "
+                "clipping such a group would not bound one user's contribution."
+            )
+        seen |= who
+    return out
+
+
+def _user_blocks(collated: dict[str, Any], groups: list[list[int]], k: int) -> dict[str, Any]:
+    """The collated flat batch of a ULS step (the groups' examples in order) as user blocks
+    ``[U, k, ...]`` (rows past a user's examples zero), with the bool mask ``[U, k]`` under ``_USER_MASK``."""
+    keys = [name for name, v in collated.items() if isinstance(v, torch.Tensor)]
+    renumbered, start = [], 0
+    for g in groups:
+        renumbered.append(list(range(start, start + len(g))))
+        start += len(g)
+    blocks, mask = collate_users(tuple(collated[name] for name in keys), renumbered, max_examples=k)
+    out = {name: v for name, v in collated.items() if not isinstance(v, torch.Tensor)}
+    out.update(zip(keys, blocks))
+    out[_USER_MASK] = mask
+    return out
 
 
 def _global_sum(t: torch.Tensor) -> torch.Tensor:
