@@ -548,7 +548,7 @@ class DPPlan:
         if sharded:  # FSDP2: gather, clip, reduce-scatter, noise this rank's rows
             from opake_fx.distributed.fsdp import fsdp_pipeline
 
-            return fsdp_pipeline(clip_stage, noise_stage, optimizer)
+            return fsdp_pipeline(clip_stage, noise_stage, optimizer, model=model)
         return named_chain(
             ("clip", clip_stage),
             ("psum", psum()),

@@ -136,9 +136,14 @@ def group_epsilon(process: Any, group_size: int, delta: float, *, accountant: st
         return process.epsilon_at(d, accountant=accountant)
     best = math.inf
     if how in ("best", "lemma"):
+        if accountant == "rdp":  # one RDP curve, converted at every delta (not recomputed per delta)
+            curve = process.rdp()
+            epsilon_at = lambda delta_: epsilon_from_rdp(DEFAULT_RDP_ORDERS, curve, delta_)  # noqa: E731
+        else:
+            epsilon_at = lambda delta_: process.epsilon_at(delta_, accountant=accountant)  # noqa: E731
         for j in range(n):
             d_ex = (d / k) * 10.0 ** (-24.0 * j / (n - 1))
-            eps = process.epsilon_at(d_ex, accountant=accountant)
+            eps = epsilon_at(d_ex)
             if math.isfinite(eps) and group_delta(eps, d_ex, k) <= d:
                 best = min(best, k * eps)
     if how in ("best", "rdp"):

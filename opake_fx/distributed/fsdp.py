@@ -129,21 +129,54 @@ class FSDPFunctionalModel(FunctionalModel):
     :class:`~opake_fx.functional.FunctionalModel`'s (``vmap``/``grad`` and the fast
     clipping backends work as on an unsharded model).
 
+    With ``trainable_only=True`` the frozen parameters (a sharded base under LoRA
+    adapters) are constants: :meth:`frozen_gathered` gathers their full tensors for the
+    duration of a step (:func:`fsdp_pipeline` does), and a call outside it is refused.
+
     Privacy: none by itself; it only changes how the model is called.
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__(model)
-        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-        if frozen:
-            raise InputValueError(
-                f"make_functional_fsdp: parameters {frozen[:3]} are frozen; the sharded DP step trains every parameter "
-                "for now (frozen or LoRA-only training on a sharded base is not built)."
-            )
+    def __init__(self, model: nn.Module, *, trainable_only: bool = False) -> None:
+        super().__init__(model, trainable_only=trainable_only)
+        trainable = set(self.param_names)
+        frozen = {id(p): p for name, p in model.named_parameters() if name not in trainable}
+        order = {k: i for i, k in enumerate(frozen)}
+        self._frozen: tuple[Any, ...] = tuple(frozen.values())
+        self._frozen_slots: tuple[tuple[nn.Module, str, int], ...] = tuple(
+            (m, name, order[id(p)])
+            for _, m in model.named_modules(remove_duplicate=False)
+            for name, p in m._parameters.items()
+            if p is not None and id(p) in order
+        )
+        self._frozen_full: tuple[torch.Tensor, ...] | None = None
+
+    @contextlib.contextmanager
+    def frozen_gathered(self) -> Iterator[None]:
+        """The frozen parameters' full tensors, gathered for the block (released after)."""
+        self._frozen_full = tuple(t.detach() for t in gather_params(self._frozen))
+        try:
+            yield
+        finally:
+            self._frozen_full = None
 
     def __call__(self, params: Sequence[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        with fsdp_hooks_held_off(self.model):
-            return super().__call__(params, *args, **kwargs)
+        if not self._frozen_slots:
+            with fsdp_hooks_held_off(self.model):
+                return super().__call__(params, *args, **kwargs)
+        if self._frozen_full is None:
+            raise InputValueError(
+                "FSDPFunctionalModel: the model has frozen sharded parameters; call it inside "
+                "fmodel.frozen_gathered() (fsdp_pipeline does) so that they are gathered once for the step."
+            )
+        saved = [(m, name, m._parameters[name]) for m, name, _ in self._frozen_slots]
+        try:
+            for m, name, j in self._frozen_slots:
+                m._parameters[name] = self._frozen_full[j]
+            with fsdp_hooks_held_off(self.model):
+                return super().__call__(params, *args, **kwargs)
+        finally:
+            for m, name, old in saved:
+                m._parameters[name] = old
 
 
 @contextlib.contextmanager
@@ -167,8 +200,14 @@ def fsdp_hooks_held_off(model: nn.Module) -> Iterator[None]:
             table.update(original)
 
 
-def make_functional_fsdp(model: nn.Module) -> tuple[FSDPFunctionalModel, tuple[Any, ...]]:
+def make_functional_fsdp(model: nn.Module, trainable_only: bool = False) -> tuple[FSDPFunctionalModel, tuple[Any, ...]]:
     """Splits an FSDP2-sharded ``model`` into a function of FULL parameters and its sharded parameters.
+
+    Args:
+        model: a module sharded with ``fully_shard``.
+        trainable_only: as for :func:`opake_fx.functional.make_functional`: only the
+            parameters with ``requires_grad`` (LoRA adapters) are in ``params``; the frozen
+            ones stay sharded in the model and are gathered once per step as constants.
 
     Returns:
         ``(fmodel, params)``: ``params`` are the model's ``DTensor`` parameters (detached,
@@ -178,8 +217,8 @@ def make_functional_fsdp(model: nn.Module) -> tuple[FSDPFunctionalModel, tuple[A
         ``params`` (``opake_fx.transforms.apply_updates`` adds them shard by shard).
 
     Raises:
-        InputValueError: the model is not sharded with ``fully_shard``, or has frozen
-            parameters (not built yet).
+        InputValueError: the model is not sharded with ``fully_shard``, or
+            ``trainable_only=True`` and nothing is trainable.
 
     Privacy: none by itself.
     """
@@ -188,7 +227,9 @@ def make_functional_fsdp(model: nn.Module) -> tuple[FSDPFunctionalModel, tuple[A
             "make_functional_fsdp: the model is not sharded with torch.distributed.fsdp.fully_shard; use "
             "opake_fx.functional.make_functional for an unsharded model."
         )
-    fmodel = FSDPFunctionalModel(model)
+    fmodel = FSDPFunctionalModel(model, trainable_only=trainable_only)
+    if trainable_only and not fmodel.param_names:
+        raise InputValueError("make_functional_fsdp(trainable_only=True): no parameter of the model requires grad.")
     own = dict(model.named_parameters())
     params = tuple(own[name].detach() for name in fmodel.param_names)
     ShardLayout.of(params)  # refuses what the step cannot shard
@@ -253,13 +294,15 @@ class FSDPStepState:
     opt: Any
 
 
-def fsdp_pipeline(clip_stage: Transform, noise_stage: Transform, optimizer: Transform) -> Transform:
+def fsdp_pipeline(clip_stage: Transform, noise_stage: Transform, optimizer: Transform, *,
+                  model: FSDPFunctionalModel | None = None) -> Transform:
     """The DP step of an FSDP2 model: gather, clip, reduce-scatter, noise this rank's rows, update its shards.
 
     ``update(batch, state, params)`` takes the sharded ``params`` of
     :func:`make_functional_fsdp` and returns sharded updates (``DTensor`` s placed like
     ``params``); ``clip_stage`` must be built on the ``FSDPFunctionalModel`` (its loss
-    sees full parameters).
+    sees full parameters), given as ``model`` when it has frozen parameters (they are
+    gathered once per step).
 
     Privacy: clip -> sum over ranks -> Gaussian noise -> optimizer, as the unsharded
     ``named_chain(clip, psum, noise, opt)``: see the module docstring.
@@ -274,14 +317,17 @@ def fsdp_pipeline(clip_stage: Transform, noise_stage: Transform, optimizer: Tran
     def init(params: Any) -> FSDPStepState:
         ShardLayout.of(params)  # refuses parameters the step cannot shard
         local = tuple(p.to_local() for p in params)
-        return FSDPStepState(clip_stage.init(gather_params(params)), noise_stage.init(None), optimizer.init(local))
+        with model.frozen_gathered() if model is not None else contextlib.nullcontext():
+            clip_state = clip_stage.init(gather_params(params))
+        return FSDPStepState(clip_state, noise_stage.init(None), optimizer.init(local))
 
     def update(batch: Any, state: FSDPStepState, params: Any = None, **extra: Any) -> tuple[Any, FSDPStepState]:
         if params is None:
             raise InputValueError("fsdp_pipeline.update needs params (the sharded parameters).")
         layout = ShardLayout.of(params)
         full = gather_params(params)
-        clipped, clip_state = clip_stage.update(batch, state.clip, full, **extra)
+        with model.frozen_gathered() if model is not None else contextlib.nullcontext():
+            clipped, clip_state = clip_stage.update(batch, state.clip, full, **extra)
         noised, noise_state = noise_stage.update(reduce_scatter_clipped(clipped, layout), state.noise)
         local = tuple(p.to_local() for p in params)
         updates, opt_state = optimizer.update(noised, state.opt, local)

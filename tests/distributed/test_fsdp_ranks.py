@@ -151,3 +151,105 @@ def test_sharded_values_never_reach_an_unsharded_mechanism():
     assert not torch.equal(a.pytree[0], b.pytree[0])  # the two ranks' rows get different noise
     with pytest.raises(Exception, match="rows"):
         RowShardedClippedPytree((torch.zeros(3, 3),), max_norm=0.5, full_shapes=((4, 3),), rows=((2, 4),))
+
+
+class _LoraLinear(nn.Module):
+    """A frozen base with a trainable rank-2 adapter (what peft builds)."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.base, self.a, self.b = nn.Linear(d_in, d_out), nn.Linear(d_in, 2, bias=False), nn.Linear(2, d_out, bias=False)
+        self.base.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.b(self.a(x))
+
+
+class _Tied(nn.Module):
+    """A tied LM head: the embedding's weight is the output layer's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mix, self.head = nn.Embedding(11, 6), nn.Linear(6, 6), nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(tokens))))
+
+
+def _arch(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "lora":
+        return nn.Sequential(_LoraLinear(5, 7), nn.Tanh(), _LoraLinear(7, 3))
+    return _Tied()
+
+
+def _arch_batch(name: str, t: int):
+    g = torch.Generator().manual_seed(200 + t)
+    if name == "lora":
+        return torch.randn(B, 5, generator=g) * 3, torch.randint(0, 3, (B,), generator=g)
+    tokens = torch.randint(0, 11, (B, 4), generator=g)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def _arch_loss(fmodel, name, backend):
+    if name == "lora":
+        return lambda p, xb, yb: F.cross_entropy(fmodel(p, xb), yb, reduction="none")
+    if backend == "vmap":  # one example: tokens [T]
+        return lambda p, tb, yb: F.cross_entropy(fmodel(p, tb), yb)
+    return lambda p, tb, yb: F.cross_entropy(fmodel(p, tb).transpose(1, 2), yb, reduction="none").mean(1)
+
+
+def _arch_single(name: str, backend: str) -> list[torch.Tensor]:
+    fmodel, params = make_functional(_arch(name), trainable_only=name == "lora")
+    c, n, o = (clip(_arch_loss(fmodel, name, backend), clipping_norm=C, batch_argnums=(1, 2), normalize_by=float(B),
+                    clip_backend=backend, model=fmodel), noise(noise_multiplier=SIGMA, key=key(7)), adam(1e-2))
+    pipe = named_chain(("clip", c), ("psum", psum()), ("noise", n), ("opt", o))
+    state = pipe.init(params)
+    for t in range(8):
+        updates, state = pipe.update(_arch_batch(name, t), state, params)
+        params = apply_updates(params, updates)
+    return [p.clone() for p in params]
+
+
+def _arch_sharded(rank: int, world_size: int, name: str, backend: str) -> list[list]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from opake_fx.distributed.fsdp import fsdp_pipeline, make_functional_fsdp
+
+    model = _arch(name)
+    mesh = init_device_mesh("cpu", (world_size,))
+    if name == "lora":
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # a tied weight lives in one group: the root's
+    fmodel, params = make_functional_fsdp(model, trainable_only=name == "lora")
+    c, n, o = (clip(_arch_loss(fmodel, name, backend), clipping_norm=C, batch_argnums=(1, 2), normalize_by=float(B),
+                    clip_backend=backend, model=fmodel), noise(noise_multiplier=SIGMA, key=key(7)), adam(1e-2))
+    pipe = fsdp_pipeline(c, n, o, model=fmodel)
+    state = pipe.init(params)
+    for t in range(8):
+        xb, yb = _arch_batch(name, t)
+        mine = slice(rank * B // world_size, (rank + 1) * B // world_size)
+        updates, state = pipe.update((xb[mine], yb[mine]), state, params)
+        params = apply_updates(params, updates)
+    frozen = [p.full_tensor().tolist() for n_, p in model.named_parameters() if not p.requires_grad]
+    return [[p.full_tensor().tolist() for p in params], list(fmodel.param_names), frozen]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name,backend", [("lora", "vmap"), ("lora", "auto"), ("tied", "vmap"), ("tied", "auto")])
+def test_lora_on_a_sharded_base_and_a_tied_head_train_as_in_one_process(group2, name, backend):
+    (got, names, frozen), _ = group2.run(_arch_sharded, name, backend, timeout=180.0)
+    ref_model = _arch(name)
+    fmodel, _ = make_functional(ref_model, trainable_only=name == "lora")
+    assert names == list(fmodel.param_names)  # LoRA: the adapters only; tied: the shared weight once
+    if name == "lora":
+        assert names == ["0.a.weight", "0.b.weight", "2.a.weight", "2.b.weight"]
+        base = [p.tolist() for n_, p in ref_model.named_parameters() if not p.requires_grad]
+        assert frozen == base  # the sharded base never moved
+    else:
+        assert names == ["emb.weight", "mix.weight", "mix.bias"]
+    for g, w in zip(got, _arch_single(name, backend)):
+        torch.testing.assert_close(torch.tensor(g), w, rtol=1e-5, atol=1e-6)
