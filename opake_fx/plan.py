@@ -867,7 +867,10 @@ class DPPlan:
         """Saves one step of this plan's run (atomic, checksummed file), with the plan's identity inside it.
 
         Args:
-            path: the file (on several ranks, one per rank: ``f"ckpt.rank{rank}.pt"``).
+            path: the file (on several ranks, one per rank: ``f"ckpt.rank{rank}.pt"``); for
+                an FSDP2 run (``params`` sharded ``DTensor`` s), ONE directory that every
+                rank sees, written through ``torch.distributed.checkpoint``
+                (:mod:`opake_fx.distributed.fsdp_checkpoint`).
             params: the parameters.
             state: the state of :meth:`pipeline` after the last step; its noise and clip
                 steps (which must agree) are the run's step.
@@ -906,8 +909,15 @@ class DPPlan:
             >>> ckpt["step"], ckpt["sampler"].next_step, ckpt["accountant"].steps
             (1, 1, 1)
         """
+        from opake_fx.distributed.fsdp_checkpoint import is_sharded, save_sharded_run
         from opake_fx.serialization.runs import save_run
 
+        if is_sharded(params):
+            if extra:
+                raise InputValueError(f"DPPlan.save_checkpoint: extra trees {sorted(extra)} are not saved for a sharded "
+                                      "(FSDP2) run; save them in a file of your own.")
+            return save_sharded_run(path, self, params=params, state=state, sampler=shard_sampler(sampler),
+                                    accountant=accountant)
         return save_run(path, self, params=params, state=state, sampler=shard_sampler(sampler),
                         accountant=accountant, **extra)
 
@@ -925,7 +935,9 @@ class DPPlan:
         can write the file can recompute it.
 
         Args:
-            path: the file :meth:`save_checkpoint` wrote.
+            path: the file :meth:`save_checkpoint` wrote (the directory, for an FSDP2 run:
+                resumed on the same number of ranks, else refused; see
+                :mod:`opake_fx.distributed.fsdp_checkpoint`).
             params: template parameters.
             state: the template state, ``pipeline.init(params)`` of this plan's pipeline
                 (built with the run's keys).
@@ -952,10 +964,18 @@ class DPPlan:
         Example:
             See :meth:`save_checkpoint`.
         """
+        from opake_fx.distributed.fsdp_checkpoint import is_sharded, load_sharded_run
         from opake_fx.serialization.runs import load_run
 
-        out = load_run(path, self, params=params, state=state, sampler=shard_sampler(sampler), accountant=accountant,
-                       check_ranks=check_ranks, **extra)
+        if is_sharded(params):
+            if extra or not check_ranks:
+                raise InputValueError("DPPlan.load_checkpoint: a sharded (FSDP2) run takes no extra trees and always "
+                                      "checks the ranks together.")
+            out = load_sharded_run(path, self, params=params, state=state, sampler=shard_sampler(sampler),
+                                   accountant=accountant)
+        else:
+            out = load_run(path, self, params=params, state=state, sampler=shard_sampler(sampler),
+                           accountant=accountant, check_ranks=check_ranks, **extra)
         if isinstance(sampler, OffsetSampler):
             out["sampler"] = OffsetSampler(out["sampler"], sampler.start, indices=sampler.indices)
         return out
