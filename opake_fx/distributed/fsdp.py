@@ -149,19 +149,43 @@ class FSDPFunctionalModel(FunctionalModel):
             if p is not None and id(p) in order
         )
         self._frozen_full: tuple[torch.Tensor, ...] | None = None
+        self._policies = _mixed_precision_policies(model)
+        dtypes = {policy.param_dtype for _, policy in self._policies}
+        if len(dtypes) > 1:
+            raise InputValueError(
+                f"make_functional_fsdp: the model's fully_shard calls ask for different param_dtype {sorted(map(str, dtypes))}; "
+                "the DP step computes the whole model in one dtype. Give every fully_shard the same MixedPrecisionPolicy."
+            )
+        self.compute_dtype: torch.dtype | None = dtypes.pop() if dtypes else None
+        """The dtype the forward and backward run in (FSDP2's ``MixedPrecisionPolicy.param_dtype``), or ``None``."""
+
+    def in_compute_dtype(self, full: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """``full`` parameters cast to :attr:`compute_dtype` (unchanged without a mixed precision policy)."""
+        if self.compute_dtype is None:
+            return tuple(full)
+        return tuple(t.to(self.compute_dtype) if t.is_floating_point() else t for t in full)
 
     @contextlib.contextmanager
     def frozen_gathered(self) -> Iterator[None]:
         """The frozen parameters' full tensors, gathered for the block (released after)."""
-        self._frozen_full = tuple(t.detach() for t in gather_params(self._frozen))
+        self._frozen_full = tuple(t.detach() for t in self.in_compute_dtype(gather_params(self._frozen)))
         try:
             yield
         finally:
             self._frozen_full = None
 
     def __call__(self, params: Sequence[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        if self.compute_dtype is not None:
+            wrong = sorted({str(p.dtype) for p in params if p.is_floating_point() and p.dtype != self.compute_dtype})
+            if wrong:
+                raise InputValueError(
+                    f"FSDPFunctionalModel: the model's MixedPrecisionPolicy computes in {self.compute_dtype}, but it was "
+                    f"called with {wrong} parameters. Build the step with fsdp_pipeline(..., model=fmodel) or "
+                    "DPPlan.pipeline(..., model=fmodel), which cast the gathered parameters (the clipped sums, the "
+                    "noise and the optimizer stay in float32)."
+                )
         if not self._frozen_slots:
-            with fsdp_hooks_held_off(self.model):
+            with fsdp_hooks_held_off(self.model), _mixed_precision_casts(self._policies):
                 return super().__call__(params, *args, **kwargs)
         if self._frozen_full is None:
             raise InputValueError(
@@ -172,7 +196,7 @@ class FSDPFunctionalModel(FunctionalModel):
         try:
             for m, name, j in self._frozen_slots:
                 m._parameters[name] = self._frozen_full[j]
-            with fsdp_hooks_held_off(self.model):
+            with fsdp_hooks_held_off(self.model), _mixed_precision_casts(self._policies):
                 return super().__call__(params, *args, **kwargs)
         finally:
             for m, name, old in saved:
@@ -198,6 +222,45 @@ def fsdp_hooks_held_off(model: nn.Module) -> Iterator[None]:
         for table, original in saved:
             table.clear()
             table.update(original)
+
+
+def _mixed_precision_policies(model: nn.Module) -> tuple[tuple[nn.Module, Any], ...]:
+    """``(module, policy)`` of every ``fully_shard`` -ed module whose ``MixedPrecisionPolicy`` sets a dtype."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            policy = m._get_fsdp_state()._mp_policy
+            if policy.param_dtype is not None or policy.output_dtype is not None:
+                out.append((m, policy))
+    return tuple(out)
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+@contextlib.contextmanager
+def _mixed_precision_casts(policies: Sequence[tuple[nn.Module, Any]]) -> Iterator[None]:
+    """What FSDP2's hooks do for a ``MixedPrecisionPolicy`` besides gathering: cast each sharded module's
+    floating inputs to ``param_dtype`` (``cast_forward_inputs``) and its outputs to ``output_dtype``."""
+    handles = []
+    try:
+        for m, policy in policies:
+            if policy.param_dtype is not None and policy.cast_forward_inputs:
+                handles.append(m.register_forward_pre_hook(
+                    lambda _m, args, kwargs, d=policy.param_dtype: (_cast_floats(args, d), _cast_floats(kwargs, d)),
+                    with_kwargs=True))
+            if policy.output_dtype is not None:
+                handles.append(m.register_forward_hook(
+                    lambda _m, _args, out, d=policy.output_dtype: _cast_floats(out, d)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def make_functional_fsdp(model: nn.Module, trainable_only: bool = False) -> tuple[FSDPFunctionalModel, tuple[Any, ...]]:
@@ -313,19 +376,20 @@ def fsdp_pipeline(clip_stage: Transform, noise_stage: Transform, optimizer: Tran
         "aggregate", "reduce-scatter over ranks (each rank keeps its rows)")), ("noise", noise_stage.privacy),
         ("opt", optimizer.privacy))
     check_stage_order(described, "fsdp_pipeline")
+    compute = model.in_compute_dtype if model is not None else tuple
 
     def init(params: Any) -> FSDPStepState:
         ShardLayout.of(params)  # refuses parameters the step cannot shard
         local = tuple(p.to_local() for p in params)
         with model.frozen_gathered() if model is not None else contextlib.nullcontext():
-            clip_state = clip_stage.init(gather_params(params))
+            clip_state = clip_stage.init(compute(gather_params(params)))
         return FSDPStepState(clip_state, noise_stage.init(None), optimizer.init(local))
 
     def update(batch: Any, state: FSDPStepState, params: Any = None, **extra: Any) -> tuple[Any, FSDPStepState]:
         if params is None:
             raise InputValueError("fsdp_pipeline.update needs params (the sharded parameters).")
         layout = ShardLayout.of(params)
-        full = gather_params(params)
+        full = compute(gather_params(params))
         with model.frozen_gathered() if model is not None else contextlib.nullcontext():
             clipped, clip_state = clip_stage.update(batch, state.clip, full, **extra)
         noised, noise_state = noise_stage.update(reduce_scatter_clipped(clipped, layout), state.noise)

@@ -200,6 +200,7 @@ class TrainingArguments(transformers.TrainingArguments):
     def __post_init__(self) -> None:
         check_max_grad_norm(self.max_grad_norm)
         self._check_privacy_fields()
+        self._check_fsdp_strategy()  # before Hugging Face translates (or refuses) the legacy fsdp strings
         super().__post_init__()
         self._check_training_fields()
 
@@ -425,7 +426,10 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.fp16 or self.bf16:
             raise InputValueError(
                 "TrainingArguments: fp16/bf16 mixed precision is not supported by DPTrainer (per-example clipping runs "
-                "in the model's own dtype); set fp16=False and bf16=False, or load the model in bfloat16."
+                "in the model's own dtype"
+                + ("; with fsdp, FSDP2's mixed-precision policy is not built into the sharded DP step either"
+                   if self.fsdp else "")
+                + "); set fp16=False and bf16=False, or load the model in bfloat16."
             )
         if self.per_device_train_batch_size < 1:
             raise InputValueError("TrainingArguments: per_device_train_batch_size (the expected batch) must be >= 1.")
@@ -435,6 +439,97 @@ class TrainingArguments(transformers.TrainingArguments):
                 "privacy_user_sampling='users' yet: the compiled step pads batches of examples, not blocks of users. "
                 "Set torch_compile=False, or privacy_user_sampling='examples'."
             )
+        self.check_fsdp_fields()
+
+    def _check_fsdp_strategy(self) -> None:
+        items = self.fsdp.split() if isinstance(self.fsdp, str) else list(self.fsdp) if isinstance(self.fsdp, list) else []
+        hybrid = [i for i in items if str(i) in ("hybrid_shard", "hybrid_shard_zero2")]
+        if hybrid:
+            raise InputValueError(
+                f"TrainingArguments: fsdp={self.fsdp!r}: {hybrid[0]} (HSDP: sharded within a node, replicated across "
+                "nodes, a 2-D mesh) is not supported by the sharded DP step, which shards over one 1-D mesh of all "
+                "ranks. Use fsdp='full_shard' (or fsdp=True) with fsdp_config={'fsdp_version': 2}."
+            )
+        if "no_shard" in [str(i) for i in items]:
+            raise InputValueError(
+                f"TrainingArguments: fsdp={self.fsdp!r}: no_shard is data parallelism, which DPTrainer does without "
+                "fsdp (each rank clips its examples, the clipped sums are summed, the same noise on every rank). Leave "
+                "fsdp out."
+            )
+
+    def check_fsdp_fields(self) -> None:
+        """Refuses the Hugging Face ``fsdp`` options that the sharded DP step cannot honour.
+
+        With ``fsdp`` on, ``DPTrainer`` shards the model with FSDP2's ``fully_shard`` (each
+        layer of ``fsdp_config["transformer_layer_cls_to_wrap"]``, then the root) and trains
+        it through the sharded DP step (:func:`opake_fx.distributed.fsdp.make_functional_fsdp`
+        and ``DPPlan.pipeline(model=fmodel)``). Honoured: ``fsdp=True`` / ``"full_shard"`` /
+        ``"shard_grad_op"`` / ``"auto_wrap"``, ``fsdp_version=2``,
+        ``transformer_layer_cls_to_wrap``, ``auto_wrap_policy`` ``"TRANSFORMER_BASED_WRAP"``
+        or ``"NO_WRAP"``, ``reshard_after_forward``, ``state_dict_type="FULL_STATE_DICT"``.
+        Refused, each with the fix: FSDP1, XLA FSDP, CPU offload, ``cpu_ram_efficient_loading``,
+        FSDP's activation checkpointing, size-based wrapping, sharded state dicts, trainer
+        checkpoints (``save_strategy`` other than ``"no"``), ``torch_compile``, and the plan
+        parts whose sharded release is not built (DP-FTRL mechanisms, adaptive clipping,
+        per-group clip norms). fp16/bf16 are refused for every run.
+
+        Raises:
+            InputValueError: the first such option, naming it and what to set instead.
+
+        Privacy: none (a check).
+        """
+        if not self.fsdp:
+            return
+        config = self.fsdp_config or {}
+        plugin = self.fsdp_plugin_args or {}
+        version = plugin.get("fsdp_version", 2)
+        refusals = (
+            (config.get("xla", False),
+             "fsdp_config['xla'] (XLA's FSDP) is not supported: the sharded DP step is built on torch's FSDP2. Remove "
+             "'xla' from fsdp_config."),
+            (version != 2,
+             f"fsdp_config['fsdp_version']={version} (FSDP1) is not supported: the sharded DP step is built on FSDP2's "
+             "DTensor parameters. Set fsdp_config={'fsdp_version': 2, ...}."),
+            (bool(plugin.get("cpu_offload", False)),
+             "fsdp 'offload' (fsdp_config['cpu_offload']) is not supported: the sharded DP step gathers and updates "
+             "the parameters where they live. Remove 'offload' from fsdp and 'cpu_offload' from fsdp_config."),
+            (bool(plugin.get("cpu_ram_efficient_loading", False)),
+             "fsdp_config['cpu_ram_efficient_loading'] is not supported: DPTrainer shards the model it is given, which "
+             "must hold the same initial weights on every rank. Set it to False (the default)."),
+            (bool(plugin.get("activation_checkpointing", False)),
+             "fsdp_config['activation_checkpointing'] is not supported: the sharded DP step calls the model "
+             "functionally with FSDP's hooks held off, and per-example clipping needs the activations. Set it to "
+             "False; for memory, use microbatch_size or gradient_accumulation_steps."),
+            (plugin.get("auto_wrap_policy") == "SIZE_BASED_WRAP",
+             "fsdp_config['auto_wrap_policy']='SIZE_BASED_WRAP' is not supported: DPTrainer shards each layer of "
+             "transformer_layer_cls_to_wrap, then the root. Use 'TRANSFORMER_BASED_WRAP' (the default) with "
+             "fsdp_config['transformer_layer_cls_to_wrap'], or 'NO_WRAP' (the root only)."),
+            ("FULL_STATE_DICT" not in str(plugin.get("state_dict_type", "FULL_STATE_DICT")),
+             f"fsdp_config['state_dict_type']={plugin.get('state_dict_type')!r} is not supported: sharded model "
+             "checkpoints of a DP run are not built yet, and save_model() writes nothing with a sharded state dict. "
+             "Set it to 'FULL_STATE_DICT' (the default): save_model() then writes the full model."),
+            (_strategy(self.save_strategy) != "no",
+             f"save_strategy={_strategy(self.save_strategy)!r} with fsdp: DPTrainer's checkpoints of a sharded model "
+             "(each rank's parameter and optimizer shards next to the DP state) are not built yet, and a checkpoint "
+             "that could not resume the run exactly is not written. Set save_strategy='no' and save the final model "
+             "with trainer.save_model() (full state dict, written by the main process)."),
+            (bool(self.torch_compile),
+             "torch_compile=True with fsdp is not supported: the compiled DP step is built for unsharded parameters. "
+             "Set torch_compile=False."),
+            (self.privacy_noise_mechanism != "gaussian",
+             f"privacy_noise_mechanism={self.privacy_noise_mechanism!r} with fsdp is not supported: the sharded "
+             "release of DP-FTRL's correlated noise is not built. Use privacy_noise_mechanism='gaussian', or train "
+             "data-parallel (without fsdp)."),
+            (self.clipping_mode == "adaptive",
+             "clipping_mode='adaptive' with fsdp is not supported: the sharded step is built for one fixed clip norm. "
+             "Use clipping_mode='fixed' or 'auto', or train data-parallel (without fsdp)."),
+            (isinstance(self.clipping_norm, dict),
+             "a per-group clipping_norm (a dict) with fsdp is not supported: the sharded step reduce-scatters one "
+             "clipped sum of one norm. Give one float clipping_norm, or train data-parallel (without fsdp)."),
+        )
+        for refused, why in refusals:
+            if refused:
+                raise InputValueError(f"TrainingArguments: {why}")
 
 
 def check_max_grad_norm(value: Any, where: str = "TrainingArguments") -> None:
@@ -461,6 +556,10 @@ def check_max_grad_norm(value: Any, where: str = "TrainingArguments") -> None:
         "clipping_norm (before the sum), which replaces Hugging Face's clipping of the summed gradient. Set "
         f"clipping_norm={value!r} and leave max_grad_norm at its default (1.0, not applied), or set max_grad_norm=0."
     )
+
+
+def _strategy(value: Any) -> str:
+    return str(getattr(value, "value", value))
 
 
 def _is_real(x: Any) -> bool:

@@ -18,6 +18,7 @@ rotation) is Hugging Face's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -34,6 +35,8 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from opake_fx.compiled import compile_step
 from opake_fx.distributed import all_reduce, get_rank, get_world_size, is_distributed
+from opake_fx.distributed.fsdp import (FSDPFunctionalModel, FSDPStepState, gather_params, is_fsdp_model,
+                                       make_functional_fsdp)
 from opake_fx.errors import BudgetExceededError, InputTypeError, InputValueError
 from opake_fx.functional import FunctionalModel, make_functional, with_batch_dim
 from opake_fx.plan import DPPlan, per_group_by_regex
@@ -43,6 +46,7 @@ from opake_fx.transformers import checkpoint as ckpt
 from opake_fx.transformers.arguments import TrainingArguments, check_max_grad_norm
 from opake_fx.transformers.losses import check_model, check_padding_invariance, per_example_loss_fn
 from opake_fx.transformers.optim import optimizer_from_args
+from opake_fx.transformers.sharding import shard_model
 from opake_fx.users import UserIndex, collate_users
 
 __all__ = ["DPTrainer", "UNBOUNDED_CLIP"]
@@ -162,7 +166,10 @@ class DPTrainer(transformers.Trainer):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if isinstance(training_args, TrainingArguments):  # before Hugging Face seeds or creates anything
             check_max_grad_norm(training_args.max_grad_norm, "DPTrainer")
+            _check_fsdp_world(training_args)
         super().__init__(*args, **kwargs)
+        if isinstance(self.args, TrainingArguments) and self.args.fsdp and self.model is not None:
+            shard_model(self.model, self.args)  # in place: evaluation and save_model see the sharded model too
         self.per_example_loss_func = per_example_loss_func
         self.privacy_plan: DPPlan | None = None
         self.accountant: Any = None
@@ -217,7 +224,15 @@ class DPTrainer(transformers.Trainer):
         dataset, users = self._training_set()
         uls = users is not None and args.privacy_user_sampling == "users"
         rank, world = get_rank(), get_world_size()
-        fmodel, params = make_functional(model, trainable_only=True)
+        sharded = is_fsdp_model(model)
+        if sharded and resume_from_checkpoint is not None:
+            raise InputValueError(
+                "DPTrainer: resume_from_checkpoint with fsdp: DPTrainer's checkpoints of a sharded model are not built "
+                "yet, so there is no sharded run to resume. Train the run in one train(), or without fsdp."
+            )
+        # FSDP2: the DP step gathers the full parameters, clips, reduce-scatters, noises this rank's rows and
+        # updates the local shards (DPPlan.pipeline(model=fmodel)); FSDP's own backward and reduction never run
+        fmodel, params = (make_functional_fsdp if sharded else make_functional)(model, trainable_only=True)
         losses = per_example_loss_fn(model, reduction=args.per_example_loss_reduction,
                                      label_smoothing=args.label_smoothing_factor,
                                      label_names=tuple(args.label_names or ("labels",)),
@@ -328,18 +343,19 @@ class DPTrainer(transformers.Trainer):
         logged_step = start_step  # the last step whose loss, epsilon and delta are in the log
         # the per-example losses (sum, count) that the clipping pass of this rank's most recent non-empty batch
         # recorded (a batch empty here keeps the previous one's): the logged loss, with no forward pass of its own
-        last_record = (state["clip"].loss_sum, state["clip"].loss_count)
+        last_record = (_clip_state(state).loss_sum, _clip_state(state).loss_count)
         first_examples = list(range(min(len(dataset), _PROBE_EXAMPLES)))
         # ULS: the fallback loss is that of the first users (each their first k examples), averaged per user
         first_users = [users.examples_of(u)[:plan.max_examples_per_user]
                        for u in range(min(users.n_users, _PROBE_EXAMPLES))] if uls else None
 
         def fallback_loss(at_params: Any) -> tuple[float, int]:
-            if first_users is None:
-                return _loss_sum(losses, fmodel, at_params, self._collated_tensors(collate, first_examples),
-                                 args.clipping_chunk_size)
-            flat = self._collated_tensors(collate, [i for g in first_users for i in g])
-            return _user_loss_sum(losses, fmodel, at_params, flat, [len(g) for g in first_users])
+            with _callable_params(fmodel, at_params) as full:  # every rank takes this branch together
+                if first_users is None:
+                    return _loss_sum(losses, fmodel, full, self._collated_tensors(collate, first_examples),
+                                     args.clipping_chunk_size)
+                flat = self._collated_tensors(collate, [i for g in first_users for i in g])
+                return _user_loss_sum(losses, fmodel, full, flat, [len(g) for g in first_users])
 
         def log_step(at_params: Any, lr_step: int) -> None:
             """Logs the recorded loss (``at_params``: the parameters of the step, for the fallback only),
@@ -350,7 +366,7 @@ class DPTrainer(transformers.Trainer):
                     "epsilon": self._spent_epsilon(), "delta": float(plan.delta)}
             logs.update({f"epsilon_{unit}": value for unit, value in self._spent_epsilons().items()})
             if plan.clipping_mode == "adaptive":  # a function of the noised counts: released and accounted
-                logs["clipping_norm"] = float(state["clip"].clip_state.clipping_norm)
+                logs["clipping_norm"] = float(_clip_state(state).clip_state.clipping_norm)
             self.log(logs, start_time)
 
         if resume_from_checkpoint is not None:  # last: nothing of the set-up draws from the restored streams
@@ -386,7 +402,7 @@ class DPTrainer(transformers.Trainer):
             before = params  # the parameters the step is computed at (the logged loss's, and its fallback's)
             params, state = step_with(keys, tensors, state, params)
             if indices:  # known on the host: no device read
-                last_record = (state["clip"].loss_sum, state["clip"].loss_count)
+                last_record = (_clip_state(state).loss_sum, _clip_state(state).loss_count)
             fmodel.load_into_model(params)
             self._dp.update(params=params, state=state, step=step + 1, charged=max(self._dp["charged"], step + 1))
             self.state.global_step = step + 1
@@ -404,6 +420,12 @@ class DPTrainer(transformers.Trainer):
                 if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
                     self.control.should_save = is_best
             if self.control.should_save:
+                if sharded:  # a callback asked (save_strategy='no' is required with fsdp): nothing half-built is written
+                    raise InputValueError(
+                        f"DPTrainer: a checkpoint was requested at step {step + 1} (control.should_save), but "
+                        "checkpoints of a sharded (fsdp) run are not built yet; nothing was written. Save the final "
+                        "model with trainer.save_model() after train()."
+                    )
                 self._save_checkpoint(model, trial)
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
             if self.control.should_training_stop:
@@ -435,6 +457,14 @@ class DPTrainer(transformers.Trainer):
             raise InputValueError("DPTrainer: NEFTune noise is not supported (neftune_noise_alpha must be None).")
         args = self.args
         args._check_privacy_unit()  # again: the arguments may have been changed since they were made
+        args.check_fsdp_fields()
+        if is_fsdp_model(self.model) and not args.fsdp:
+            raise InputValueError(
+                "DPTrainer: the model is already sharded with fully_shard, but the arguments do not set fsdp. Pass the "
+                "unsharded model with TrainingArguments(fsdp=True, fsdp_config={'fsdp_version': 2, "
+                "'transformer_layer_cls_to_wrap': [...]}): DPTrainer shards it and Hugging Face's evaluation and "
+                "save_model then know it is sharded."
+            )
         if args.privacy_unit == "user" and args.privacy_user_sampling == "users" and args.torch_compile:
             raise InputValueError(
                 "DPTrainer: torch_compile=True is not supported with privacy_unit='user' and "
@@ -466,6 +496,11 @@ class DPTrainer(transformers.Trainer):
         padding (then the padding was checked)."""
         if n == 0:
             return False
+        with _callable_params(fmodel, params) as full:  # an FSDP model: its gathered parameters (every rank at once)
+            return self._check_losses_at(losses, fmodel, full, collate, n)
+
+    def _check_losses_at(self, losses: Callable[..., torch.Tensor], fmodel: FunctionalModel, params: Any,
+                         collate: Callable[[list[int]], dict[str, Any]], n: int) -> bool:
         batch = self._prepare_inputs(collate(list(range(min(n, _PROBE_EXAMPLES)))))
         tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
         if self.per_example_loss_func is not None:
@@ -671,6 +706,28 @@ class DPTrainer(transformers.Trainer):
     def _save_scaler(self, output_dir: str) -> None:
         return None
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Hugging Face's ``save_model``; a model sharded by ``fsdp`` is saved whole.
+
+        Under ``fsdp`` every rank must call it (the full state dict is gathered from the
+        shards with ``torch.distributed.checkpoint``'s ``get_model_state_dict``); the main
+        process writes it as Hugging Face does (``save_pretrained``: a PEFT model's
+        adapters, or the whole model), loadable with ``from_pretrained`` without FSDP.
+
+        Privacy: the trained parameters are the DP run's release (post-processing).
+        """
+        if not is_fsdp_model(self.model):
+            super().save_model(output_dir, _internal_call)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # every rank gathers (a collective); with cpu_offload only rank 0 keeps the tensors
+        state_dict = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.args.should_save:
+            self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
     def _load_hf_checkpoint(self, directory: str) -> None:
         self._load_from_checkpoint(directory)
 
@@ -688,6 +745,33 @@ _PROBE_EXAMPLES = 8  # the examples train() runs the loss on before the first st
 
 def _strategy(value: Any) -> str:
     return str(getattr(value, "value", value))
+
+
+def _check_fsdp_world(args: TrainingArguments) -> None:
+    """Refuses ``fsdp`` in one process (before Hugging Face's own, less specific, refusal)."""
+    if args.fsdp and args.world_size < 2:
+        raise InputValueError(
+            f"DPTrainer: fsdp shards the model over the ranks of a distributed launch, but this is {args.world_size} "
+            "process. Launch the script with torchrun --nproc_per_node N (N >= 2, ddp_backend='gloo' on CPU), or leave "
+            "fsdp out to train in one process."
+        )
+
+
+def _clip_state(state: Any) -> Any:
+    """The clip stage's state in the pipeline's state (``named_chain``'s ``state["clip"]``; FSDP2's ``state.clip``)."""
+    return state.clip if isinstance(state, FSDPStepState) else state["clip"]
+
+
+@contextlib.contextmanager
+def _callable_params(fmodel: FunctionalModel, params: Any) -> Any:
+    """``params`` as ``fmodel`` takes them outside the DP step: unchanged, or for an FSDP2 model
+    the gathered full parameters, with its frozen base gathered for the block (collectives: every
+    rank enters together)."""
+    if not isinstance(fmodel, FSDPFunctionalModel):
+        yield params
+        return
+    with fmodel.frozen_gathered():
+        yield tuple(t.detach() for t in gather_params(params))
 
 
 def _private_random_streams() -> Any:

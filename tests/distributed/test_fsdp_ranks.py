@@ -253,3 +253,88 @@ def test_lora_on_a_sharded_base_and_a_tied_head_train_as_in_one_process(group2, 
         assert names == ["emb.weight", "mix.weight", "mix.bias"]
     for g, w in zip(got, _arch_single(name, backend)):
         torch.testing.assert_close(torch.tensor(g), w, rtol=1e-5, atol=1e-6)
+
+
+# --- mixed precision: FSDP2's MixedPrecisionPolicy(param_dtype=bf16) ---------------------------------
+
+
+def _bf16_loss(fmodel, seen, zero_loss=False):
+    def loss(p, xb, yb):
+        seen.add(str(p[0].dtype))
+        out = F.cross_entropy(fmodel(p, xb).float(), yb, reduction="none")  # the model's input x stays float32
+        return out * 0.0 if zero_loss else out
+    return loss
+
+
+def _bf16_single(backend: str, zero_loss: bool = False) -> list[torch.Tensor]:
+    """The reference: float32 master parameters, the clip stage given their bfloat16 casts, float32 noise."""
+    fmodel, params = make_functional(_model())
+    seen: set[str] = set()
+    model_loss = _bf16_loss(lambda p, x: fmodel(p, x.to(torch.bfloat16)), seen, zero_loss)
+    c = clip(model_loss, clipping_norm=C, batch_argnums=(1, 2), normalize_by=float(B), clip_backend=backend,
+             model=fmodel)
+    n, o = noise(noise_multiplier=SIGMA, key=key(7)), sgd(1.0)
+    cs, ns = c.init(tuple(p.to(torch.bfloat16) for p in params)), n.init(None)
+    os_ = o.init(params)
+    for t in range(8):
+        clipped, cs = c.update(_batch(t), cs, tuple(p.to(torch.bfloat16) for p in params))
+        noised, ns = n.update(clipped, ns)
+        updates, os_ = o.update(noised, os_, params)
+        params = apply_updates(params, updates)
+    assert "torch.bfloat16" in seen and "torch.float32" not in seen  # (auto's independence probe runs float64)
+    return [p.clone() for p in params]
+
+
+def _bf16_sharded(rank: int, world_size: int, backend: str, zero_loss: bool = False) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from opake_fx.distributed.fsdp import fsdp_pipeline, make_functional_fsdp
+    from opake_fx.errors import InputValueError
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    fmodel, params = make_functional_fsdp(model)
+    seen: set[str] = set()
+    c = clip(_bf16_loss(fmodel, seen, zero_loss), clipping_norm=C, batch_argnums=(1, 2), normalize_by=float(B),
+             clip_backend=backend, model=fmodel)
+    pipe = fsdp_pipeline(c, noise(noise_multiplier=SIGMA, key=key(7)), sgd(1.0), model=fmodel)
+    state = pipe.init(params)
+    dtypes = set()
+    for t in range(8):
+        x, y = _batch(t)
+        mine = slice(rank * B // world_size, (rank + 1) * B // world_size)
+        updates, state = pipe.update((x[mine], y[mine]), state, params)
+        dtypes |= {str(u.dtype) for u in updates}
+        params = apply_updates(params, updates)
+    try:  # the policy's dtype is not optional: float32 parameters given straight to fmodel are refused
+        fmodel(tuple(p.full_tensor() for p in params), x)
+        refusal = ""
+    except InputValueError as exc:
+        refusal = str(exc)
+    return [[p.full_tensor().tolist() for p in params], sorted(seen), sorted(dtypes | {str(params[0].dtype)}), refusal]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["vmap", "auto"])
+def test_bf16_compute_with_float32_sums_noise_and_parameters_trains_as_in_one_process(group2, backend):
+    (got, seen, dtypes, refusal), (got1, _, _, _) = group2.run(_bf16_sharded, backend, timeout=180.0)
+    assert got == got1 and "torch.bfloat16" in seen and "torch.float32" not in seen and dtypes == ["torch.float32"]
+    assert "MixedPrecisionPolicy computes in torch.bfloat16" in refusal
+    want = _bf16_single(backend)
+    for g, w in zip(got, want):  # the two ranks' bf16 forward sees 6 examples, the reference 12: an ulp apart
+        torch.testing.assert_close(torch.tensor(g), w, rtol=2e-2, atol=2e-3)
+    float32_run = _single(backend, "sgd")
+    assert max((torch.tensor(g) - w).abs().max().item() for g, w in zip(got, float32_run[:4])) > 0  # bf16 did run
+
+
+@pytest.mark.distributed
+def test_bf16_compute_draws_the_float32_noise_of_the_unsharded_run_bit_for_bit(group2):
+    (got, _, _, _), _ = group2.run(_bf16_sharded, "vmap", True, timeout=180.0)
+    want = _bf16_single("vmap", zero_loss=True)
+    assert all(torch.equal(torch.tensor(g), w) for g, w in zip(got, want))
