@@ -232,6 +232,8 @@ class DPTrainer(transformers.Trainer):
             )
         # FSDP2: the DP step gathers the full parameters, clips, reduce-scatters, noises this rank's rows and
         # updates the local shards (DPPlan.pipeline(model=fmodel)); FSDP's own backward and reduction never run
+        if sharded:  # a forward outside the DP step (the user's, an evaluation) may have left a group gathered
+            _reshard(model)
         fmodel, params = (make_functional_fsdp if sharded else make_functional)(model, trainable_only=True)
         losses = per_example_loss_fn(model, reduction=args.per_example_loss_reduction,
                                      label_smoothing=args.label_smoothing_factor,
@@ -706,6 +708,18 @@ class DPTrainer(transformers.Trainer):
     def _save_scaler(self, output_dir: str) -> None:
         return None
 
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """Hugging Face's (``evaluate``, ``predict``); a model sharded by ``fsdp`` is resharded after it.
+
+        An FSDP2 forward outside training leaves some groups gathered (the root's, and each
+        layer's with ``reshard_after_forward=False``); the DP step needs the sharded parameters back.
+        """
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            if is_fsdp_model(self.model):
+                _reshard(self.model)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Hugging Face's ``save_model``; a model sharded by ``fsdp`` is saved whole.
 
@@ -755,6 +769,15 @@ def _check_fsdp_world(args: TrainingArguments) -> None:
             "process. Launch the script with torchrun --nproc_per_node N (N >= 2, ddp_backend='gloo' on CPU), or leave "
             "fsdp out to train in one process."
         )
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Frees every gathered FSDP2 group of ``model``: its parameters are the sharded ``DTensor`` s again (local, no collective)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _clip_state(state: Any) -> Any:
