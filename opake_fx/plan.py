@@ -548,13 +548,46 @@ class DPPlan:
         if sharded:  # FSDP2: gather, clip, reduce-scatter, noise this rank's rows
             from opake_fx.distributed.fsdp import fsdp_pipeline
 
-            return fsdp_pipeline(clip_stage, noise_stage, optimizer, model=model)
-        return named_chain(
+            return self._ranks_agree(fsdp_pipeline(clip_stage, noise_stage, optimizer, model=model))
+        return self._ranks_agree(named_chain(
             ("clip", clip_stage),
             ("psum", psum()),
             ("noise", noise_stage),
             ("opt", optimizer),
-        )
+        ))
+
+    def _ranks_agree(self, pipeline: Any) -> Any:
+        """``pipeline`` whose every step first checks that all ranks run this plan (a no-op in one process).
+
+        The noise stage already compares the key, step, multiplier and sensitivity; what it
+        cannot see (the sample rate the accountant charges, the steps, delta, a plan whose
+        batch size and dataset size differ in proportion) is in the plan. The first step
+        compares every field by name; later steps one digest (one tiny all-reduce).
+        """
+        import hashlib
+
+        from opake_fx.distributed import is_distributed
+        from opake_fx.distributed.agreement import AgreementCheck
+        from opake_fx.serialization import plan_identity
+
+        def comparable(value: Any) -> Any:  # numbers as they are, anything else (names, lists) by a hash
+            if value is None or isinstance(value, (bool, int, float)):
+                return value
+            return int(hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:13], 16)
+
+        fields = [(name, comparable(value)) for name, value in sorted(json.loads(plan_identity(self)).items())]
+        fields.append(("sample_rate", float(self.sample_rate)))
+        check = AgreementCheck("DPPlan.pipeline", fix=(
+            "Build the plan with the same arguments on every rank (the same dataset_size, batch_size or sample_rate, "
+            "steps, noise, delta and clipping): the accountant of each rank charges its own plan."))
+        inner = pipeline.update
+
+        def update(x: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
+            if is_distributed():
+                check(fields)
+            return inner(x, state, params, **extra)
+
+        return pipeline._replace(update=update)
 
     def _check_shardable(self) -> None:
         """Refuses the parts whose sharded (FSDP2) release is not built."""

@@ -67,4 +67,37 @@ def test_a_blt_plan_on_two_ranks_keeps_the_pattern_and_identical_parameters(grou
 def test_ranks_whose_plans_differ_in_the_participation_pattern_stop_at_the_first_step(group2):
     # rank 1's plan promises min_sep=2: its noise is scaled to another sensitivity
     for r in group2.run(_blt_plan_run, 2):
-        assert r["step"] == 0 and r["error"] == "DistributedMismatchError" and "sensitivity differs" in r["message"], r
+        assert r["step"] == 0 and r["error"] == "DistributedMismatchError" and ("sensitivity differs" in r["message"] or "DPPlan.pipeline.min_sep differs" in r["message"]), r
+
+
+def _plan_differs_in(rank: int, world_size: int, field: str) -> dict:
+    from opake_fx.errors import DistributedMismatchError
+    from opake_fx.optimizers import sgd
+    from opake_fx.plan import DPPlan
+    from opake_fx.transforms import apply_updates
+
+    # rank 1's plan: twice the data at the same batch size (half the sample rate; normalize_by, hence the
+    # sensitivity, unchanged) or another delta: the noise stage sees nothing different, the accountants charge
+    # different runs
+    n, b, delta = 100, 10, 1e-5
+    if rank == 1 and field == "dataset_size":
+        n = 200
+    if rank == 1 and field == "delta":
+        delta = 1e-6
+    plan = DPPlan(dataset_size=n, batch_size=b, steps=3, clipping_norm=1.0, noise_multiplier=1.0, delta=delta)
+    pipe = plan.pipeline(lambda p, x: ((x - p) ** 2).sum(), sgd(0.1), key=key(0), batch_argnums=(1,))
+    params = torch.zeros(2)
+    state = pipe.init(params)
+    try:
+        updates, state = pipe.update((torch.ones(4, 2),), state, params)
+        params = apply_updates(params, updates)
+    except DistributedMismatchError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"error": None}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("field", ["dataset_size", "delta"])
+def test_ranks_whose_plans_differ_where_the_noise_stage_cannot_see_stop_at_the_first_step(group2, field):
+    for r in group2.run(_plan_differs_in, field):
+        assert r["error"] == "DistributedMismatchError" and f"DPPlan.pipeline.{field} differs" in r["message"], r
