@@ -255,7 +255,7 @@ class DPTrainer(transformers.Trainer):
         if previous is not None:
             plan = _same_plan(previous["plan"], plan)
         self.privacy_plan = plan
-        noise_key, sampler_key = fold_in(key(seed), 5 if sharded else 0), fold_in(key(seed), 1)
+        noise_key, sampler_key = fold_in(key(seed), 0), fold_in(key(seed), 1)
         # adaptive clipping's count noise: its own key, the same on every rank
         pipeline_keys = {"count_key": fold_in(key(seed), 2)} if plan.clipping_mode == "adaptive" else {}
         sampler = previous["sampler"] if previous is not None else self._sampler(plan, dataset, sampler_key, rank, world,

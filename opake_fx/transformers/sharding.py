@@ -1,0 +1,114 @@
+"""FSDP2 sharding of a ``DPTrainer``'s model from Hugging Face's own ``fsdp`` arguments.
+
+``TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap":
+[...]})`` (or the legacy ``fsdp="full_shard"`` / ``["full_shard", "auto_wrap"]``) under
+``torchrun`` makes ``DPTrainer`` shard the model with ``torch.distributed.fsdp.fully_shard``
+when it is constructed: every module of the named layer classes (default: the model's
+``_no_split_modules``, as Hugging Face's own FSDP does), then the root, over the 1-D mesh
+of all ranks. The DP step then runs through
+:func:`opake_fx.distributed.fsdp.make_functional_fsdp` and ``DPPlan.pipeline(model=fmodel)``
+(gather, clip each rank's examples, reduce-scatter, noise this rank's rows of the unsharded
+noise, update the local shards), never through FSDP's own backward and gradient reduction.
+The options that step cannot honour are refused by ``TrainingArguments`` (see
+``docs/huggingface.md``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from opake_fx.errors import InputValueError
+
+__all__ = ["shard_model", "layer_classes"]
+
+
+def shard_model(model: nn.Module, args: Any) -> nn.Module:
+    """Shards ``model`` in place with FSDP2 as ``args`` (Hugging Face's ``fsdp`` fields) ask.
+
+    Each module whose class is one of :func:`layer_classes` becomes its own FSDP group
+    (``reshard_after_forward`` from ``fsdp_config``: ``"full_shard"`` reshards after the
+    forward, ``"shard_grad_op"`` keeps the gathered layer), then the root holds the rest
+    (embeddings, final norm, head: a tied head stays in one group with its embedding).
+    ``auto_wrap_policy="NO_WRAP"`` shards the root only. A model that is already sharded
+    with ``fully_shard`` is returned as it is.
+
+    Args:
+        model: the trainer's model (a ``PreTrainedModel`` or a PEFT model around one), the
+            same initial weights on every rank.
+        args: :class:`opake_fx.transformers.TrainingArguments` with ``fsdp`` on (already
+            checked: FSDP2, no offload, full state dicts).
+
+    Returns:
+        ``model``, its parameters now ``DTensor`` s sharded on their first axis over all ranks.
+
+    Raises:
+        InputValueError: a class of ``transformer_layer_cls_to_wrap`` that the model does not have.
+
+    Privacy: none (placement only; which rank holds which rows changes no value the DP
+    step computes, releases or accounts).
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from opake_fx.distributed.fsdp import is_fsdp_model
+
+    if is_fsdp_model(model):
+        return model
+    mesh = init_device_mesh(args.device.type, (dist.get_world_size(),))
+    plugin = args.fsdp_plugin_args or {}
+    reshard = bool(plugin.get("reshard_after_forward", True))
+    classes = layer_classes(model, args)
+    if classes:
+        for module in list(model.modules()):
+            if module is not model and isinstance(module, classes):
+                fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def layer_classes(model: nn.Module, args: Any) -> tuple[type, ...]:
+    """The module classes that :func:`shard_model` gives a group each.
+
+    ``fsdp_config["transformer_layer_cls_to_wrap"]`` (class names) if given, else the
+    names in the model's ``_no_split_modules`` that it has (Hugging Face's default); none
+    with ``auto_wrap_policy="NO_WRAP"``.
+
+    Raises:
+        InputValueError: a name in ``transformer_layer_cls_to_wrap`` that is no module class of the model.
+
+    Example:
+        >>> import transformers
+        >>> from opake_fx.transformers import TrainingArguments
+        >>> cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        ...                                num_attention_heads=2, num_key_value_heads=1)
+        >>> args = TrainingArguments(output_dir="/tmp/opake-doc", privacy_target_epsilon=8.0, report_to="none")
+        >>> [c.__name__ for c in layer_classes(transformers.LlamaForCausalLM(cfg), args)]
+        ['LlamaDecoderLayer']
+    """
+    config = getattr(args, "fsdp_config", None) or {}
+    if (getattr(args, "fsdp_plugin_args", None) or {}).get("auto_wrap_policy") == "NO_WRAP":
+        return ()
+    by_name: dict[str, type] = {}
+    for m in model.modules():  # the whole MRO: fully_shard makes a sharded module's class FSDP<Name>(<Name>)
+        for cls in type(m).__mro__:
+            by_name.setdefault(cls.__name__, cls)
+    named = config.get("transformer_layer_cls_to_wrap")
+    if named is not None:
+        missing = [n for n in named if n not in by_name]
+        if missing:
+            raise InputValueError(
+                f"DPTrainer: fsdp_config['transformer_layer_cls_to_wrap'] names {missing}, which the model has no "
+                f"module of; its no-split layer classes are {_no_split(model)}. Name the model's decoder (or encoder) "
+                "layer class, e.g. ['LlamaDecoderLayer'], or leave the key out to use the model's own."
+            )
+        return tuple(by_name[n] for n in named)
+    return tuple(by_name[n] for n in _no_split(model) if n in by_name)
+
+
+def _no_split(model: nn.Module) -> list[str]:
+    """The model's ``_no_split_modules`` (a PEFT model's: its base model's)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return list(getattr(inner, "_no_split_modules", None) or [])
