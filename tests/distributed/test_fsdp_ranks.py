@@ -338,3 +338,58 @@ def test_bf16_compute_draws_the_float32_noise_of_the_unsharded_run_bit_for_bit(g
     (got, _, _, _), _ = group2.run(_bf16_sharded, "vmap", True, timeout=180.0)
     want = _bf16_single("vmap", zero_loss=True)
     assert all(torch.equal(torch.tensor(g), w) for g, w in zip(got, want))
+
+
+# --- a parameter no rule covers: auto's exact fallback, with its warning, sharded -------------------
+
+
+def _fallback_loss(fmodel):
+    def loss(p, xb, yb):  # p[0] (the first weight) is also read directly: a use no hook sees
+        return F.cross_entropy(fmodel(p, xb), yb, reduction="none") + 0.01 * (xb @ p[0].t()).pow(2).sum(-1)
+    return loss
+
+
+def _fallback_run(rank: int, world_size: int) -> list:
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from opake_fx.distributed.fsdp import fsdp_pipeline, make_functional_fsdp
+    from opake_fx.errors import SlowPathWarning
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (world_size,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    fmodel, params = make_functional_fsdp(model)
+    c = clip(_fallback_loss(fmodel), clipping_norm=C, batch_argnums=(1, 2), normalize_by=float(B), clip_backend="auto",
+             model=fmodel)
+    pipe = fsdp_pipeline(c, noise(noise_multiplier=SIGMA, key=key(7)), sgd(1.0), model=fmodel)
+    state = pipe.init(params)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SlowPathWarning)
+        for t in range(4):
+            x, y = _batch(t)
+            mine = slice(rank * B // world_size, (rank + 1) * B // world_size)
+            updates, state = pipe.update((x[mine], y[mine]), state, params)
+            params = apply_updates(params, updates)
+    said = [str(w.message) for w in caught if issubclass(w.category, SlowPathWarning)]
+    return [[p.full_tensor().tolist() for p in params], said]
+
+
+@pytest.mark.distributed
+def test_a_parameter_no_rule_covers_takes_the_exact_fallback_with_its_warning_sharded(group2):
+    (got, said), (got1, said1) = group2.run(_fallback_run, timeout=180.0)
+    assert got == got1 and said and said1 and "0.weight" in said[0]
+    fmodel, params = make_functional(_model())
+    c = clip(_fallback_loss(fmodel), clipping_norm=C, batch_argnums=(1, 2), normalize_by=float(B), clip_backend="vmap",
+             model=fmodel)  # the reference: per-example gradients by vmap, nothing to fall back from
+    pipe = named_chain(("clip", c), ("psum", psum()), ("noise", noise(noise_multiplier=SIGMA, key=key(7))),
+                       ("opt", sgd(1.0)))
+    state = pipe.init(params)
+    for t in range(4):
+        updates, state = pipe.update(_batch(t), state, params)
+        params = apply_updates(params, updates)
+    for g, w in zip(got, params):
+        torch.testing.assert_close(torch.tensor(g), w, rtol=1e-5, atol=1e-6)
