@@ -23,6 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from opake_fx.transforms import apply_updates
+
 VOCAB, T, B, STEPS = 32, 16, 8, 4
 
 
@@ -57,6 +59,20 @@ def _time(fn) -> float:
     return statistics.median(times[1:])
 
 
+def _held_and_time(pipe, params, tokens, opt_of) -> tuple[int, float]:
+    """Bytes of params + updates + optimizer state after one step, and the median time of a step."""
+    state = pipe.init(params)
+    updates, state = pipe.update((tokens,), state, params)
+    held = _bytes(params) + _bytes(updates) + _bytes(_leaves(opt_of(state)))
+    box = [apply_updates(params, updates), state]
+
+    def step():
+        u, box[1] = pipe.update((tokens,), box[1], box[0])
+        box[0] = apply_updates(box[0], u)
+
+    return held, _time(step)
+
+
 def worker() -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -69,7 +85,7 @@ def worker() -> None:
     from opake_fx.optimizers import adam
     from opake_fx.plan import DPPlan
     from opake_fx.random import key
-    from opake_fx.transforms import apply_updates, named_chain
+    from opake_fx.transforms import named_chain
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -88,16 +104,7 @@ def worker() -> None:
     ddp = named_chain(("clip", clip(loss_of(fm), clipping_norm=1.0, batch_argnums=(1,), normalize_by=float(B * world),
                                     clip_backend="auto", model=fm)),
                       ("psum", psum()), ("noise", noise(noise_multiplier=1.0, key=key(0))), ("opt", adam(1e-3)))
-    state = ddp.init(params)
-    updates, state = ddp.update((tokens,), state, params)
-    ddp_bytes = _bytes(params) + _bytes(updates) + _bytes(_leaves(state["opt"]))
-
-    def ddp_step():
-        nonlocal params, state
-        u, state = ddp.update((tokens,), state, params)
-        params = apply_updates(params, u)
-
-    t_ddp = _time(ddp_step)
+    ddp_bytes, t_ddp = _held_and_time(ddp, params, tokens, lambda state: state["opt"])
     print(f"[rank {rank}] data-parallel done", file=sys.stderr, flush=True)
 
     # FSDP2: each rank its rows
@@ -110,16 +117,7 @@ def worker() -> None:
     plan = DPPlan(dataset_size=10_000, batch_size=B * world, steps=100, clipping_norm=1.0, noise_multiplier=1.0,
                   delta=1e-5, clip_backend="auto")
     pipe = plan.pipeline(loss_of(fmodel), adam(1e-3), key=key(0), model=fmodel, batch_argnums=(1,))
-    sstate = pipe.init(sparams)
-    supdates, sstate = pipe.update((tokens,), sstate, sparams)
-    fsdp_bytes = _bytes(sparams) + _bytes(supdates) + _bytes(_leaves(sstate.opt))
-
-    def fsdp_step():
-        nonlocal sparams, sstate
-        u, sstate = pipe.update((tokens,), sstate, sparams)
-        sparams = apply_updates(sparams, u)
-
-    t_fsdp = _time(fsdp_step)
+    fsdp_bytes, t_fsdp = _held_and_time(pipe, sparams, tokens, lambda state: state.opt)
     print(f"[rank {rank}] sharded DP done", file=sys.stderr, flush=True)
 
     # FSDP2's own non-private step on the same sharded model
