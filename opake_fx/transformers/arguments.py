@@ -65,6 +65,9 @@ class TrainingArguments(transformers.TrainingArguments):
       ``clipping_norm``, since a ported script that sets it expects a clip it would not get.
     * ``seed`` seeds the model's initialisation and the evaluation, never the privacy
       randomness (see ``privacy_seed``).
+    * ``fsdp`` / ``fsdp_config`` (FSDP2 only, under ``torchrun``): ``DPTrainer`` shards
+      the model itself and trains it through the sharded DP step; the options that step
+      cannot honour are refused (:meth:`check_fsdp_fields`).
 
     DP fields:
         privacy_target_epsilon: the epsilon the whole run may spend; the noise multiplier

@@ -126,6 +126,20 @@ class DPTrainer(transformers.Trainer):
     the logs ``epsilon_per_example`` / ``epsilon_per_user`` next to ``epsilon``; and
     ``accountant.json`` the unit.
 
+    Sharded training: with Hugging Face's FSDP2 arguments (``fsdp=True`` / ``"full_shard"``,
+    ``fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [...]}``, under
+    ``torchrun``) the constructor shards the model with ``fully_shard``
+    (:func:`opake_fx.transformers.sharding.shard_model`: each layer of those classes, then
+    the root) and ``train()`` runs the sharded DP step
+    (:func:`opake_fx.distributed.fsdp.make_functional_fsdp` and ``DPPlan.pipeline(model=fmodel)``:
+    gather, clip each rank's examples, reduce-scatter, this rank's rows of the unsharded noise,
+    local shard updates), never FSDP's own backward; the parameters equal the data-parallel
+    run's up to float summation order (``tests/integrations/test_dptrainer_fsdp.py``).
+    ``evaluate`` reshards the model after its forward; ``save_model`` (on every rank) gathers
+    the full state dict and the main process writes it. Trainer checkpoints of a sharded run
+    are not built: ``save_strategy`` must be ``"no"`` (see
+    :meth:`~opake_fx.transformers.TrainingArguments.check_fsdp_fields` for every refused option).
+
     ``torch_compile=True`` (Hugging Face's own flag; ``torch_compile_mode`` too) compiles
     the DP step -- clip, noise, optimizer update -- with :func:`opake_fx.compiled.compile_step`
     (the model is not compiled separately): the Poisson batches are padded to the plan's
@@ -139,7 +153,10 @@ class DPTrainer(transformers.Trainer):
     example only; the batches come from the plan's sampler (each rank its disjoint shard,
     ``fold_in(key, rank)``), the clipped gradients are summed over ranks and the same
     noise is added on every rank; the accountant charges the plan's cost for every step
-    taken, so the logged epsilon is the run's. With ``privacy_unit="user"`` the unit of all
+    taken, so the logged epsilon is the run's. Under ``fsdp`` the clipped sums are
+    reduce-scattered instead of summed whole, and each coordinate's noise is drawn once, by
+    the rank that holds it, from the same key as the unsharded draw: the same mechanism and
+    the same accounting. With ``privacy_unit="user"`` the unit of all
     of this is the user of ``privacy_user_id_column``: ULS clips each drawn user's mean
     gradient (at most ``k`` examples) as one unit and shards whole users over ranks; ELS
     clips examples of a run capped at ``k`` per user and reports the per-user epsilon by
