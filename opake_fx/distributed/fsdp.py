@@ -340,8 +340,11 @@ def reduce_scatter_clipped(clipped: ClippedPytree, layout: ShardLayout) -> RowSh
     shards = []
     for t, shape, (start, stop) in zip(leaves, layout.full_shapes, layout.rows):
         chunk = -(-shape[0] // world)
-        padded = t.new_zeros((chunk * world, *shape[1:]))
-        padded[: shape[0]] = t
+        if chunk * world == shape[0]:
+            padded = t
+        else:  # FSDP2's last rank holds fewer rows: zero rows pad the sum to equal chunks
+            padded = t.new_zeros((chunk * world, *shape[1:]))
+            padded[: shape[0]] = t
         out = t.new_empty((chunk, *shape[1:]))
         dist.reduce_scatter_single(out, padded.contiguous(), group=group)
         shards.append(out[: stop - start])
@@ -392,6 +395,7 @@ def fsdp_pipeline(clip_stage: Transform, noise_stage: Transform, optimizer: Tran
         full = compute(gather_params(params))
         with model.frozen_gathered() if model is not None else contextlib.nullcontext():
             clipped, clip_state = clip_stage.update(batch, state.clip, full, **extra)
+        del full  # the gathered parameters are not needed past the clip: free them before the reduce-scatter
         noised, noise_state = noise_stage.update(reduce_scatter_clipped(clipped, layout), state.noise)
         local = tuple(p.to_local() for p in params)
         updates, opt_state = optimizer.update(noised, state.opt, local)
