@@ -946,11 +946,8 @@ class DPPlan:
         from opake_fx.serialization.runs import save_run
 
         if is_sharded(params):
-            if extra:
-                raise InputValueError(f"DPPlan.save_checkpoint: extra trees {sorted(extra)} are not saved for a sharded "
-                                      "(FSDP2) run; save them in a file of your own.")
             return save_sharded_run(path, self, params=params, state=state, sampler=shard_sampler(sampler),
-                                    accountant=accountant)
+                                    accountant=accountant, **extra)
         return save_run(path, self, params=params, state=state, sampler=shard_sampler(sampler),
                         accountant=accountant, **extra)
 
@@ -1001,11 +998,11 @@ class DPPlan:
         from opake_fx.serialization.runs import load_run
 
         if is_sharded(params):
-            if extra or not check_ranks:
-                raise InputValueError("DPPlan.load_checkpoint: a sharded (FSDP2) run takes no extra trees and always "
-                                      "checks the ranks together.")
+            if not check_ranks:
+                raise InputValueError("DPPlan.load_checkpoint: a sharded (FSDP2) run always checks the ranks together "
+                                      "(its tensors are read by every rank at once); leave check_ranks out.")
             out = load_sharded_run(path, self, params=params, state=state, sampler=shard_sampler(sampler),
-                                   accountant=accountant)
+                                   accountant=accountant, **extra)
         else:
             out = load_run(path, self, params=params, state=state, sampler=shard_sampler(sampler),
                            accountant=accountant, check_ranks=check_ranks, **extra)

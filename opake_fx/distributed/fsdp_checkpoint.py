@@ -67,7 +67,7 @@ def is_sharded(params: Any) -> bool:
 
 
 def save_sharded_run(directory: str | os.PathLike[str], plan: Any, *, params: Any, state: Any, sampler: Any = None,
-                     accountant: Any = None) -> int:
+                     accountant: Any = None, **extra: Any) -> int:
     """Writes one step of an FSDP2 run of ``plan`` (every rank calls it together); returns the step.
 
     Args:
@@ -78,6 +78,8 @@ def save_sharded_run(directory: str | os.PathLike[str], plan: Any, *, params: An
         state: the state of ``plan.pipeline(..., model=fmodel)`` after the last step.
         sampler: this rank's sampler from ``plan.sampler``.
         accountant: the run's accountant (``None`` for a non-private baseline).
+        **extra: more named trees, saved in each rank's run file (e.g. a trainer's
+            ``meta``; not ``shards``).
 
     Raises:
         InputTypeError: ``state`` is not a sharded pipeline's state.
@@ -92,6 +94,7 @@ def save_sharded_run(directory: str | os.PathLike[str], plan: Any, *, params: An
 
 
     layout, rank = _layout_of(params, state, "save_sharded_run"), dist.get_rank()
+    _check_extra(extra, "save_sharded_run")
     final = Path(directory)
     partial = final.with_name(final.name + ".partial")
     error: Exception | None = None
@@ -109,7 +112,7 @@ def save_sharded_run(directory: str | os.PathLike[str], plan: Any, *, params: An
     dist.barrier()
     try:
         step = plan.save_checkpoint(partial / f"run.rank{rank}.pt", params=(), state=_without_opt(state),
-                                    sampler=sampler, accountant=accountant,
+                                    sampler=sampler, accountant=accountant, **extra,
                                     shards={"world_size": layout.mesh.size(), "rank": rank,
                                             "digest": _digest(tensors)})
     except InputValueError as exc:
@@ -130,7 +133,7 @@ def save_sharded_run(directory: str | os.PathLike[str], plan: Any, *, params: An
 
 
 def load_sharded_run(directory: str | os.PathLike[str], plan: Any, *, params: Any, state: Any, sampler: Any = None,
-                     accountant: Any = None) -> dict[str, Any]:
+                     accountant: Any = None, **extra: Any) -> dict[str, Any]:
     """Reads one step of an FSDP2 run of ``plan`` on the ranks that saved it (every rank calls it together).
 
     Args:
@@ -141,9 +144,10 @@ def load_sharded_run(directory: str | os.PathLike[str], plan: Any, *, params: An
         state: ``plan.pipeline(..., model=fmodel).init(params)`` (the run's keys).
         sampler: this rank's sampler from ``plan.sampler`` (the run's sampler key).
         accountant: a fresh ``plan.accountant()``.
+        **extra: templates of the extra trees saved.
 
     Returns:
-        ``{"params", "state", "sampler", "accountant", "step"}`` as
+        ``{"params", "state", "sampler", "accountant", ..., "step"}`` as
         ``DPPlan.load_checkpoint``; ``params`` are new ``DTensor`` s placed like the
         template's.
 
@@ -161,6 +165,7 @@ def load_sharded_run(directory: str | os.PathLike[str], plan: Any, *, params: An
 
 
     layout, rank = _layout_of(params, state, "load_sharded_run"), dist.get_rank()
+    _check_extra(extra, "load_sharded_run")
     root, world = Path(directory), layout.mesh.size()
     error: Exception | None = None
     try:
@@ -177,7 +182,7 @@ def load_sharded_run(directory: str | os.PathLike[str], plan: Any, *, params: An
         error = exc
     _raise_together(error, str(root))
     out = plan.load_checkpoint(root / f"run.rank{rank}.pt", params=(), state=_without_opt(state), sampler=sampler,
-                               accountant=accountant, shards=dict(_SHARDS_TEMPLATE))
+                               accountant=accountant, **extra, shards=dict(_SHARDS_TEMPLATE))
     shards = out.pop("shards")
     targets = _tensor_dict(_fresh_like(params), state.opt, layout)
     dcp.load(targets, checkpoint_id=str(root / _TENSORS))
@@ -256,6 +261,11 @@ def _layout_of(params: Any, state: Any, who: str) -> ShardLayout:
             "(plan.pipeline(..., model=fmodel) with fmodel from make_functional_fsdp)."
         )
     return ShardLayout.of(params)
+
+
+def _check_extra(extra: dict[str, Any], who: str) -> None:
+    if "shards" in extra:
+        raise InputValueError(f"{who}: the tree name 'shards' is the sharded checkpoint's own; name yours otherwise.")
 
 
 def _without_opt(state: FSDPStepState) -> FSDPStepState:

@@ -54,7 +54,8 @@ def _train(plan, pipe, params, state, sampler, acct, start, stop, save=None):
         updates, state = pipe.update((x[idx], y[idx]), state, params)
         params = apply_updates(params, updates)
         if save is not None:
-            plan.save_checkpoint(f"{save}/step{t + 1}", params=params, state=state, sampler=sampler, accountant=acct)
+            plan.save_checkpoint(f"{save}/step{t + 1}", params=params, state=state, sampler=sampler, accountant=acct,
+                                 meta={"step": t + 1, "note": "trainer"})
     return params, state
 
 
@@ -90,8 +91,8 @@ def _killed_and_resumed(rank: int, world_size: int, directory: str) -> list:
     plan, pipe, fresh = _setup(world_size)
     sampler = plan.sampler(range(N), key(1))
     ckpt = plan.load_checkpoint(f"{directory}/step{SAVE_AT}", params=fresh, state=pipe.init(fresh), sampler=sampler,
-                                accountant=plan.accountant())
-    assert ckpt["step"] == SAVE_AT
+                                accountant=plan.accountant(), meta={"step": 0, "note": ""})
+    assert ckpt["step"] == SAVE_AT and ckpt["meta"] == {"step": SAVE_AT, "note": "trainer"}  # an extra tree
     params, state = _train(plan, pipe, ckpt["params"], ckpt["state"], ckpt["sampler"], ckpt["accountant"], SAVE_AT,
                            STEPS)
     return _fingerprint(params, state, ckpt["accountant"])
@@ -117,7 +118,8 @@ def _resume_with(rank: int, world_size: int, directory: str, attack: str) -> lis
         shutil.copytree(Path(directory) / f"step{SAVE_AT - 1}" / "tensors", path / "tensors")
     torch.distributed.barrier()
     try:
-        plan.load_checkpoint(path, params=fresh, state=pipe.init(fresh), sampler=sampler, accountant=plan.accountant())
+        plan.load_checkpoint(path, params=fresh, state=pipe.init(fresh), sampler=sampler, accountant=plan.accountant(),
+                             meta={"step": 0, "note": ""})
     except CheckpointError as exc:
         return ["refused", type(exc).__name__, str(exc)]
     return ["loaded"]
@@ -139,7 +141,7 @@ def _state_on_one_rank(rank: int, world_size: int, directory: str) -> list:
     path = f"{directory}/step{STEPS}"
     try:
         plan.load_checkpoint(path, params=fresh, state=pipe.init(fresh), sampler=plan.sampler(range(N), key(1)),
-                             accountant=plan.accountant())
+                             accountant=plan.accountant(), meta={"step": 0, "note": ""})
         refusal = ""
     except CheckpointError as exc:
         refusal = str(exc)
