@@ -91,7 +91,8 @@ class ShardLayout:
         """
         from torch.distributed.tensor import DTensor, Shard
 
-        meshes, full, rows = set(), [], []
+        meshes: list[Any] = []
+        full, rows = [], []
         for i, p in enumerate(params):
             if not isinstance(p, DTensor):
                 raise InputTypeError(
@@ -104,7 +105,8 @@ class ShardLayout:
                     "sharded DP step takes FSDP2's default (Shard(0) on one 1-D mesh). HSDP and custom shard "
                     "placements are not built."
                 )
-            meshes.add(id(p.device_mesh))
+            if not any(p.device_mesh == m for m in meshes):  # equal meshes (DeviceMesh compares its ranks)
+                meshes.append(p.device_mesh)
             n, world, rank = p.shape[0], p.device_mesh.size(), p.device_mesh.get_local_rank()
             chunk = -(-n // world)
             start, stop = min(rank * chunk, n), min((rank + 1) * chunk, n)

@@ -161,8 +161,6 @@ def load_sharded_run(directory: str | os.PathLike[str], plan: Any, *, params: An
     Privacy: see the module docstring.
     """
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
 
     layout, rank = _layout_of(params, state, "load_sharded_run"), dist.get_rank()
     _check_extra(extra, "load_sharded_run")
@@ -185,7 +183,7 @@ def load_sharded_run(directory: str | os.PathLike[str], plan: Any, *, params: An
                                accountant=accountant, **extra, shards=dict(_SHARDS_TEMPLATE))
     shards = out.pop("shards")
     targets = _tensor_dict(_fresh_like(params), state.opt, layout)
-    dcp.load(targets, checkpoint_id=str(root / _TENSORS))
+    _dcp_load(targets, root)
     try:
         if shards["world_size"] != world or shards["rank"] != rank:
             raise CheckpointError(
@@ -233,8 +231,6 @@ def load_sharded_model_state(directory: str | os.PathLike[str], *, params: Any, 
     adds to the saved run's (compose the two accountants' costs); the saved run's noise
     keys are not reused by reading this.
     """
-    import torch.distributed.checkpoint as dcp
-
     layout = ShardLayout.of(params)
     root = Path(directory)
     if not (root / _TENSORS).is_dir():
@@ -243,11 +239,7 @@ def load_sharded_model_state(directory: str | os.PathLike[str], *, params: Any, 
     targets = _tensor_dict(_fresh_like(params), opt_state, layout)
     if opt_state is None:
         targets = {k: v for k, v in targets.items() if k.startswith("params/")}
-    try:
-        dcp.load(targets, checkpoint_id=str(root / _TENSORS))
-    except Exception as exc:  # DCP raises its own CheckpointException (with each rank's cause) or a RuntimeError
-        raise CheckpointError(f"{root}: its tensors do not fit the templates ({type(exc).__name__}: {exc})"[:2000]
-                              ) from exc
+    _dcp_load(targets, root)
     return _from_tensor_dict(targets, params, opt_state)
 
 
@@ -261,6 +253,18 @@ def _layout_of(params: Any, state: Any, who: str) -> ShardLayout:
             "(plan.pipeline(..., model=fmodel) with fmodel from make_functional_fsdp)."
         )
     return ShardLayout.of(params)
+
+
+def _dcp_load(targets: dict[str, Any], root: Path) -> None:
+    """DCP's load of ``targets`` in place (a collective); its failures as a ``CheckpointError``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: every rank's causes
+
+    try:
+        dcp.load(targets, checkpoint_id=str(root / _TENSORS))
+    except (CheckpointException, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"{root}: its tensors do not fit the templates (another model or optimizer?): "
+                              f"{type(exc).__name__}: {exc}"[:2000]) from exc
 
 
 def _check_extra(extra: dict[str, Any], who: str) -> None:

@@ -147,7 +147,19 @@ def _state_on_one_rank(rank: int, world_size: int, directory: str) -> list:
         refusal = str(exc)
     params, opt = load_sharded_model_state(path, params=fresh, opt_state=pipe.init(fresh).opt)
     moments = _moments(opt)
-    return [refusal, [p.full_tensor().tolist() for p in params], moments]
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from opake_fx.distributed.fsdp import make_functional_fsdp
+
+    other = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3))  # another model: 9 hidden units, not 7
+    fully_shard(other, mesh=init_device_mesh("cpu", (world_size,)))
+    try:
+        load_sharded_model_state(path, params=make_functional_fsdp(other)[1])
+        wrong_model = ""
+    except CheckpointError as exc:
+        wrong_model = str(exc)
+    return [refusal, [p.full_tensor().tolist() for p in params], moments, wrong_model]
 
 
 def test_another_world_size_refuses_the_run_and_reads_the_model_exactly(group2, tmp_path):
@@ -156,10 +168,11 @@ def test_another_world_size_refuses_the_run_and_reads_the_model_exactly(group2, 
     whole = group2.run(_uninterrupted, str(tmp_path), timeout=240.0)
     one = RankGroup(1, pg_timeout=20.0)
     try:
-        (refusal, params, moments), = one.run(_state_on_one_rank, str(tmp_path), timeout=240.0)
+        (refusal, params, moments, wrong_model), = one.run(_state_on_one_rank, str(tmp_path), timeout=240.0)
     finally:
         one.close()
     assert "saved by 2 ranks and is resumed by 1" in refusal and "load_sharded_model_state" in refusal
+    assert "do not fit the templates" in wrong_model
     assert params == whole[0][0]  # bit for bit: DCP reads each rank's rows of the full tensors
     # the Adam moments of 1 rank are the 2 ranks' shards end to end (the step count is the same everywhere)
     full = [a + b if isinstance(a, list) else a for a, b in zip(whole[0][1], whole[1][1])]
