@@ -470,11 +470,14 @@ class TrainingArguments(transformers.TrainingArguments):
         ``"shard_grad_op"`` / ``"auto_wrap"``, ``fsdp_version=2``,
         ``transformer_layer_cls_to_wrap``, ``auto_wrap_policy`` ``"TRANSFORMER_BASED_WRAP"``
         or ``"NO_WRAP"``, ``reshard_after_forward``, ``state_dict_type="FULL_STATE_DICT"``.
+        Trainer checkpoints (``save_strategy``, ``save_steps``) and
+        ``train(resume_from_checkpoint=...)`` work: each checkpoint holds the full weights and
+        the run's sharded DP state (``dp_state/``), resumed on the same number of ranks.
         Refused, each with the fix: FSDP1, XLA FSDP, CPU offload, ``cpu_ram_efficient_loading``,
-        FSDP's activation checkpointing, size-based wrapping, sharded state dicts, trainer
-        checkpoints (``save_strategy`` other than ``"no"``), ``torch_compile``, and the plan
-        parts whose sharded release is not built (DP-FTRL mechanisms, adaptive clipping,
-        per-group clip norms). fp16/bf16 are refused for every run.
+        FSDP's activation checkpointing, size-based wrapping, sharded state dicts,
+        ``load_best_model_at_end``, ``torch_compile``, and the plan parts whose sharded
+        release is not built (DP-FTRL mechanisms, adaptive clipping, per-group clip norms).
+        fp16/bf16 are refused for every run.
 
         Raises:
             InputValueError: the first such option, naming it and what to set instead.
@@ -508,14 +511,14 @@ class TrainingArguments(transformers.TrainingArguments):
              "transformer_layer_cls_to_wrap, then the root. Use 'TRANSFORMER_BASED_WRAP' (the default) with "
              "fsdp_config['transformer_layer_cls_to_wrap'], or 'NO_WRAP' (the root only)."),
             ("FULL_STATE_DICT" not in str(plugin.get("state_dict_type", "FULL_STATE_DICT")),
-             f"fsdp_config['state_dict_type']={plugin.get('state_dict_type')!r} is not supported: sharded model "
-             "checkpoints of a DP run are not built yet, and save_model() writes nothing with a sharded state dict. "
-             "Set it to 'FULL_STATE_DICT' (the default): save_model() then writes the full model."),
-            (_strategy(self.save_strategy) != "no",
-             f"save_strategy={_strategy(self.save_strategy)!r} with fsdp: DPTrainer's checkpoints of a sharded model "
-             "(each rank's parameter and optimizer shards next to the DP state) are not built yet, and a checkpoint "
-             "that could not resume the run exactly is not written. Set save_strategy='no' and save the final model "
-             "with trainer.save_model() (full state dict, written by the main process)."),
+             f"fsdp_config['state_dict_type']={plugin.get('state_dict_type')!r} is not supported: DPTrainer writes "
+             "the model whole (save_model, and each checkpoint's weights) and the run's sharded state in each "
+             "checkpoint's dp_state/ directory; FSDP's own sharded model state dict is not written. Set it to "
+             "'FULL_STATE_DICT' (the default)."),
+            (bool(self.load_best_model_at_end),
+             "load_best_model_at_end=True with fsdp is not supported: loading a checkpoint's weights into the sharded "
+             "model after training is not built. Leave it False and load the best checkpoint's weights "
+             "(checkpoint-N/model.safetensors, or the adapters) with from_pretrained after train()."),
             (bool(self.torch_compile),
              "torch_compile=True with fsdp is not supported: the compiled DP step is built for unsharded parameters. "
              "Set torch_compile=False."),
@@ -559,10 +562,6 @@ def check_max_grad_norm(value: Any, where: str = "TrainingArguments") -> None:
         "clipping_norm (before the sum), which replaces Hugging Face's clipping of the summed gradient. Set "
         f"clipping_norm={value!r} and leave max_grad_norm at its default (1.0, not applied), or set max_grad_norm=0."
     )
-
-
-def _strategy(value: Any) -> str:
-    return str(getattr(value, "value", value))
 
 
 def _is_real(x: Any) -> bool:

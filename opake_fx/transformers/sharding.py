@@ -15,13 +15,20 @@ The options that step cannot honour are refused by ``TrainingArguments`` (see
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
+import torch
 from torch import nn
 
-from opake_fx.errors import InputValueError
+from opake_fx.errors import CheckpointError, InputValueError
 
-__all__ = ["shard_model", "layer_classes"]
+__all__ = ["shard_model", "layer_classes", "load_frozen_weights"]
+
+# the full-model weight files Hugging Face's save_pretrained writes (save_model of a sharded model writes them too)
+_FULL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+_ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 def shard_model(model: nn.Module, args: Any) -> nn.Module:
@@ -106,6 +113,90 @@ def layer_classes(model: nn.Module, args: Any) -> tuple[type, ...]:
             )
         return tuple(by_name[n] for n in named)
     return tuple(by_name[n] for n in _no_split(model) if n in by_name)
+
+
+def load_frozen_weights(model: nn.Module, directory: str) -> None:
+    """Copies the frozen parameters (``requires_grad=False``) of a sharded ``model`` from a checkpoint's full weights.
+
+    A ``DPTrainer`` resuming under ``fsdp`` takes the trained parameters from the sharded
+    DP state (``dp_state/``); the frozen ones are what Hugging Face's resume would load
+    from the weights ``save_model`` wrote: ``model.safetensors`` (or its index, or
+    ``pytorch_model.bin``) of a full model, each rank keeping its rows. An adapter
+    checkpoint (``adapter_model.*``) holds no frozen parameter: the base is the model's
+    own, as with Hugging Face's resume of a PEFT model. Every rank calls it together; a
+    refusal is raised on every rank, and nothing is copied unless every tensor was read.
+
+    Args:
+        model: the ``fully_shard`` ed model (its parameters ``DTensor`` s).
+        directory: a checkpoint directory (``checkpoint-N``).
+
+    Raises:
+        CheckpointError: the model has frozen parameters and the directory has no weights
+            file, or the full weights lack one of them or give it another shape.
+
+    Privacy: none (frozen parameters are not trained; the released ones are in the DP state).
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from opake_fx.serialization import refuse_together
+
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    error, values = None, {}
+    try:
+        values = _read_full_weights(directory, frozen) if frozen else {}
+    except CheckpointError as exc:
+        error = exc
+    refuse_together(error, directory)
+    with torch.no_grad():
+        for name, full in values.items():
+            p = frozen[name]
+            if isinstance(p, DTensor):  # this rank's rows of the full tensor, sliced locally (no collective)
+                full = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+            p.copy_(full)
+
+
+def _read_full_weights(directory: str, wanted: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """``{name: full tensor}`` for the ``wanted`` parameters from the checkpoint's full-model weights (``{}`` for an adapter checkpoint)."""
+    present = [name for name in _FULL_WEIGHTS if os.path.isfile(os.path.join(directory, name))]
+    if not present:
+        if any(os.path.isfile(os.path.join(directory, name)) for name in _ADAPTER_WEIGHTS):
+            return {}
+        raise CheckpointError(
+            f"DPTrainer: {directory} has no model weights ({', '.join(_FULL_WEIGHTS + _ADAPTER_WEIGHTS)}), and the "
+            f"model has {len(wanted)} frozen parameter(s) (e.g. {next(iter(wanted))}) that the DP state does not hold. "
+            "Resume from a complete DPTrainer checkpoint (save_model writes the weights into each checkpoint)."
+        )
+    found: dict[str, torch.Tensor] = {}
+    source = os.path.join(directory, present[0])
+    try:
+        if present[0] == "pytorch_model.bin":
+            state = torch.load(source, map_location="cpu", weights_only=True)
+            found = {n: state[n] for n in wanted if n in state}
+        else:
+            from safetensors import safe_open
+
+            if present[0].endswith(".index.json"):
+                with open(source) as f:
+                    files = json.load(f)["weight_map"]
+            else:
+                files = dict.fromkeys(wanted, present[0])
+            for name in wanted:
+                if name not in files:
+                    continue
+                with safe_open(os.path.join(directory, files[name]), framework="pt", device="cpu") as f:
+                    if name in f.keys():
+                        found[name] = f.get_tensor(name)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"DPTrainer: cannot read the model weights {source} ({type(exc).__name__}: {exc}).") from None
+    missing = sorted(set(wanted) - set(found))
+    wrong = sorted(n for n, t in found.items() if tuple(t.shape) != tuple(wanted[n].shape))
+    if missing or wrong:
+        raise CheckpointError(
+            f"DPTrainer: {source} does not hold the model's frozen parameters"
+            + (f"; missing: {missing[:5]}" if missing else "") + (f"; other shapes: {wrong[:5]}" if wrong else "")
+            + ". The checkpoint is of another model: resume with the model it was saved from."
+        )
+    return found
 
 
 def _no_split(model: nn.Module) -> list[str]:

@@ -46,7 +46,7 @@ from opake_fx.transformers import checkpoint as ckpt
 from opake_fx.transformers.arguments import TrainingArguments, check_max_grad_norm
 from opake_fx.transformers.losses import check_model, check_padding_invariance, per_example_loss_fn
 from opake_fx.transformers.optim import optimizer_from_args
-from opake_fx.transformers.sharding import shard_model
+from opake_fx.transformers.sharding import load_frozen_weights, shard_model
 from opake_fx.users import UserIndex, collate_users
 
 __all__ = ["DPTrainer", "UNBOUNDED_CLIP"]
@@ -105,7 +105,7 @@ class DPTrainer(transformers.Trainer):
     applied, per-example clipping to ``clipping_norm`` replaces it, and a value other than
     its default ``1.0`` or ``0`` / ``None`` is refused at construction. Each checkpoint also holds ``accountant.json`` and
     ``dp_state.rank{r}.pt`` (parameters, clip/noise/optimizer state, sampler position,
-    accountant, privacy seed) next to Hugging Face's ``rng_state*.pth``;
+    accountant, privacy seed; under ``fsdp`` the sharded directory ``dp_state/``) next to Hugging Face's ``rng_state*.pth``;
     ``train(resume_from_checkpoint=...)`` continues the run exactly, dropout included.
 
     User-level DP (``privacy_unit="user"``, ``privacy_max_examples_per_user=k``): each example's
@@ -136,8 +136,14 @@ class DPTrainer(transformers.Trainer):
     local shard updates), never FSDP's own backward; the parameters equal the data-parallel
     run's up to float summation order (``tests/integrations/test_dptrainer_fsdp.py``).
     ``evaluate`` reshards the model after its forward; ``save_model`` (on every rank) gathers
-    the full state dict and the main process writes it. Trainer checkpoints of a sharded run
-    are not built: ``save_strategy`` must be ``"no"`` (see
+    the full state dict and the main process writes it. Its checkpoints (every rank saves
+    together) hold the full weights and, instead of ``dp_state.rank{r}.pt``, ONE directory
+    ``dp_state/`` (:mod:`opake_fx.distributed.fsdp_checkpoint`: the parameters and the
+    optimizer's shards through ``torch.distributed.checkpoint``, each rank's run file, written
+    atomically); ``train(resume_from_checkpoint=...)`` with the same ``fsdp`` arguments on the
+    same number of ranks continues the run bit for bit, with every check of the unsharded
+    resume, and refuses on every rank (``CheckpointError``) another number of ranks or a
+    checkpoint of the other layout (``tests/integrations/test_dptrainer_fsdp_resume.py``; see
     :meth:`~opake_fx.transformers.TrainingArguments.check_fsdp_fields` for every refused option).
 
     ``torch_compile=True`` (Hugging Face's own flag; ``torch_compile_mode`` too) compiles
@@ -156,7 +162,10 @@ class DPTrainer(transformers.Trainer):
     taken, so the logged epsilon is the run's. Under ``fsdp`` the clipped sums are
     reduce-scattered instead of summed whole, and each coordinate's noise is drawn once, by
     the rank that holds it, from the same key as the unsharded draw: the same mechanism and
-    the same accounting. With ``privacy_unit="user"`` the unit of all
+    the same accounting. A sharded checkpoint holds the noise keys as the unsharded one does
+    (keep it as private as the data); a resume continues the noise after the saved step with
+    every step taken still charged, and one that cannot (another number of ranks, whose
+    sampler shards would differ) is refused. With ``privacy_unit="user"`` the unit of all
     of this is the user of ``privacy_user_id_column``: ULS clips each drawn user's mean
     gradient (at most ``k`` examples) as one unit and shards whole users over ranks; ELS
     clips examples of a run capped at ``k`` per user and reports the per-user epsilon by
@@ -242,11 +251,6 @@ class DPTrainer(transformers.Trainer):
         uls = users is not None and args.privacy_user_sampling == "users"
         rank, world = get_rank(), get_world_size()
         sharded = is_fsdp_model(model)
-        if sharded and resume_from_checkpoint is not None:
-            raise InputValueError(
-                "DPTrainer: resume_from_checkpoint with fsdp: DPTrainer's checkpoints of a sharded model are not built "
-                "yet, so there is no sharded run to resume. Train the run in one train(), or without fsdp."
-            )
         # FSDP2: the DP step gathers the full parameters, clips, reduce-scatters, noises this rank's rows and
         # updates the local shards (DPPlan.pipeline(model=fmodel)); FSDP's own backward and reduction never run
         if sharded:  # a forward outside the DP step (the user's, an evaluation) may have left a group gathered
@@ -263,7 +267,8 @@ class DPTrainer(transformers.Trainer):
         self._memory_tracker.start()
         model.train()
 
-        resumed_meta = None if resume_from_checkpoint is None else _read_meta(resume_from_checkpoint, rank)
+        resumed_meta = None if resume_from_checkpoint is None else ckpt.read_dp_meta(
+            resume_from_checkpoint, rank, meta=_META_TEMPLATE, sharded=sharded)
         if previous is not None:
             seed = previous["seed"]
         else:
@@ -322,8 +327,9 @@ class DPTrainer(transformers.Trainer):
             inner = getattr(sampler, "inner", sampler)
             # checked in full (plan identity, every counter, keys, privacy parameters) before anything changes:
             # a refused checkpoint leaves the model as it was
+            # (fsdp: the sharded dp_state/ directory, every rank together, on the number of ranks that saved it)
             restored = ckpt.load_dp_state(resume_from_checkpoint, rank, plan=plan, params=params, state=state,
-                                          sampler=inner, accountant=accountant, meta=_META_TEMPLATE)
+                                          sampler=inner, accountant=accountant, meta=_META_TEMPLATE, sharded=sharded)
             self._load_hf_checkpoint(resume_from_checkpoint)
             params, state = restored["params"], restored["state"]
             inner.load_state_dict(restored["sampler"].state_dict())
@@ -338,7 +344,7 @@ class DPTrainer(transformers.Trainer):
         # "charged": the steps the accountant has paid for; one more than "step" while a step is being computed
         charged = previous["charged"] if previous is not None else start_step
         self._dp = {"plan": plan, "seed": seed, "rank": rank, "sampler": sampler, "params": params, "state": state,
-                    "step": start_step, "charged": charged, "exhausted": False}
+                    "step": start_step, "charged": charged, "exhausted": False, "sharded": sharded}
 
         # Hugging Face's state and callbacks
         if resume_from_checkpoint is not None and os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
@@ -438,13 +444,7 @@ class DPTrainer(transformers.Trainer):
                 is_best = self._determine_best_metric(metrics=metrics, trial=trial)
                 if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
                     self.control.should_save = is_best
-            if self.control.should_save:
-                if sharded:  # a callback asked (save_strategy='no' is required with fsdp): nothing half-built is written
-                    raise InputValueError(
-                        f"DPTrainer: a checkpoint was requested at step {step + 1} (control.should_save), but "
-                        "checkpoints of a sharded (fsdp) run are not built yet; nothing was written. Save the final "
-                        "model with trainer.save_model() after train()."
-                    )
+            if self.control.should_save:  # fsdp: every rank saves together (the full weights, the sharded DP state)
                 self._save_checkpoint(model, trial)
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
             if self.control.should_training_stop:
@@ -717,7 +717,8 @@ class DPTrainer(transformers.Trainer):
         os.makedirs(output_dir, exist_ok=True)
         inner = getattr(dp["sampler"], "inner", dp["sampler"])
         ckpt.save_dp_state(output_dir, dp["rank"], plan=dp["plan"], params=dp["params"], state=dp["state"],
-                           sampler=inner, accountant=self.accountant, meta={"seed": dp["seed"], "step": dp["step"]})
+                           sampler=inner, accountant=self.accountant, meta={"seed": dp["seed"], "step": dp["step"]},
+                           sharded=dp.get("sharded", False))
         if self.args.should_save:
             ckpt.write_accountant_json(output_dir, plan=dp["plan"], steps=dp["step"], epsilon=self._spent_epsilon(),
                                        accountant=self.accountant, epsilons=self._spent_epsilons())
@@ -760,6 +761,17 @@ class DPTrainer(transformers.Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _load_hf_checkpoint(self, directory: str) -> None:
+        """The model's weights from a checkpoint, after its DP state was accepted.
+
+        Under ``fsdp`` Hugging Face's loader is not used (it reads FSDP's own checkpoint
+        files, which DPTrainer does not write): the trained parameters come from the
+        sharded DP state, and the frozen ones from the full weights ``save_model`` wrote
+        (:func:`~opake_fx.transformers.sharding.load_frozen_weights`; an adapter checkpoint
+        holds none: the base is the model's own, as with Hugging Face's resume).
+        """
+        if is_fsdp_model(self.model):
+            load_frozen_weights(self.model, directory)
+            return
         self._load_from_checkpoint(directory)
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
@@ -838,19 +850,6 @@ def _same_plan(previous: DPPlan, plan: DPPlan) -> DPPlan:
             "composes with this run's, since the model already depends on the data)."
         )
     return previous
-
-
-def _read_meta(directory: str, rank: int) -> dict[str, int]:
-    from opake_fx.errors import CheckpointError
-    from opake_fx.serialization import load_checkpoint
-
-    path = os.path.join(directory, ckpt.dp_state_name(rank))
-    if not os.path.isfile(path):
-        raise CheckpointError(
-            f"DPTrainer: {directory} has no {ckpt.dp_state_name(rank)}, so the private run cannot be resumed from it "
-            "(was it saved with save_only_model=True, or by a plain Trainer?). Resume from a DPTrainer checkpoint."
-        )
-    return load_checkpoint(path, check_ranks=False, meta=dict(_META_TEMPLATE))["meta"]
 
 
 def _loss_over(losses: Callable[..., torch.Tensor], fmodel: FunctionalModel, keys: tuple[str, ...], backend: str) -> Callable[..., Any]:

@@ -101,7 +101,8 @@ V2 = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
     (dict(fsdp=True, fsdp_config={**V2, "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 100}),
      "SIZE_BASED_WRAP"),
     (dict(fsdp=True, fsdp_config={**V2, "state_dict_type": "SHARDED_STATE_DICT"}), "SHARDED_STATE_DICT"),
-    (dict(fsdp=True, fsdp_config=V2, save_strategy="steps"), "save_strategy='steps' with fsdp"),
+    (dict(fsdp=True, fsdp_config=V2, eval_strategy="steps", save_strategy="steps", load_best_model_at_end=True),
+     "load_best_model_at_end=True with fsdp"),
     (dict(fsdp=True, fsdp_config=V2, torch_compile=True), "torch_compile=True with fsdp"),
     (dict(fsdp=True, fsdp_config=V2, privacy_noise_mechanism="band_mf", sampling_mode="cyclic_poisson"),
      "privacy_noise_mechanism='band_mf' with fsdp"),
@@ -118,7 +119,8 @@ def test_fsdp_options_the_sharded_step_cannot_honour_are_refused(kw, needle):
 def test_the_supported_fsdp_arguments_are_accepted():
     for kw in (dict(fsdp="full_shard", fsdp_config=V2), dict(fsdp=["shard_grad_op", "auto_wrap"], fsdp_config=V2),
                dict(fsdp=True, fsdp_config={"version": 2, "auto_wrap_policy": "NO_WRAP"}),
-               dict(fsdp=True, fsdp_config=V2, privacy_unit="user", privacy_max_examples_per_user=2)):
+               dict(fsdp=True, fsdp_config=V2, privacy_unit="user", privacy_max_examples_per_user=2),
+               dict(fsdp=True, fsdp_config=V2, save_strategy="steps", save_steps=2)):  # sharded checkpoints
         assert _args(**kw).fsdp is True
 
 
