@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,16 +22,11 @@ pytest.importorskip("peft")
 
 from opake_fx.errors import InputValueError  # noqa: E402
 from opake_fx.transformers import DPTrainer, TrainingArguments  # noqa: E402
+from tests.distributed.test_tutorial import _free_port  # noqa: E402
 from tests.integrations import _hf_trainer as hf  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
 WORKER = ROOT / "tests" / "integrations" / "_dptrainer_fsdp_worker.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(out: Path, mode: str, arch: str) -> dict:

@@ -10,7 +10,6 @@ refusal that left a rank behind in a collective would hang the launch instead of
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,16 +21,11 @@ pytest.importorskip("transformers")
 
 from opake_fx.errors import CheckpointError  # noqa: E402
 from opake_fx.transformers import DPTrainer, TrainingArguments  # noqa: E402
+from tests.distributed.test_tutorial import _free_port  # noqa: E402
 from tests.integrations import _hf_trainer as hf  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
 WORKER = ROOT / "tests" / "integrations" / "_dptrainer_fsdp_resume_worker.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(out: Path, mode: str) -> subprocess.CompletedProcess:
