@@ -426,12 +426,13 @@ class TrainingArguments(transformers.TrainingArguments):
                 "TrainingArguments: auto_find_batch_size changes the batch size, which the privacy accounting depends "
                 "on; set auto_find_batch_size=False."
             )
-        if self.fp16 or self.bf16:
+        if self.fp16 or (self.bf16 and not self.fsdp):
             raise InputValueError(
-                "TrainingArguments: fp16/bf16 mixed precision is not supported by DPTrainer (per-example clipping runs "
-                "in the model's own dtype"
-                + ("; with fsdp, FSDP2's mixed-precision policy is not built into the sharded DP step either"
-                   if self.fsdp else "")
+                "TrainingArguments: "
+                + ("fp16" if self.fp16 else "bf16")
+                + " mixed precision is not supported by DPTrainer (per-example clipping runs in the model's own dtype"
+                + ("; with fsdp, bf16=True is honoured (FSDP2's MixedPrecisionPolicy), fp16 is not" if self.fsdp else
+                   "; with fsdp under torchrun, bf16=True is honoured through FSDP2's MixedPrecisionPolicy")
                 + "); set fp16=False and bf16=False, or load the model in bfloat16."
             )
         if self.per_device_train_batch_size < 1:
@@ -477,7 +478,9 @@ class TrainingArguments(transformers.TrainingArguments):
         FSDP's activation checkpointing, size-based wrapping, sharded state dicts,
         ``load_best_model_at_end``, ``torch_compile``, and the plan parts whose sharded
         release is not built (DP-FTRL mechanisms, adaptive clipping, per-group clip norms).
-        fp16/bf16 are refused for every run.
+        ``bf16=True`` is honoured: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``
+        (bf16 forward and backward; the norms, clipped sums, noise, parameters and optimizer
+        state stay float32). fp16 is refused for every run, bf16 without fsdp too.
 
         Raises:
             InputValueError: the first such option, naming it and what to set instead.

@@ -38,6 +38,8 @@ def shard_model(model: nn.Module, args: Any) -> nn.Module:
     (``reshard_after_forward`` from ``fsdp_config``: ``"full_shard"`` reshards after the
     forward, ``"shard_grad_op"`` keeps the gathered layer), then the root holds the rest
     (embeddings, final norm, head: a tied head stays in one group with its embedding).
+    With ``args.bf16`` every group gets ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``:
+    the DP step computes in bfloat16 and keeps norms, sums, noise and parameters float32.
     ``auto_wrap_policy="NO_WRAP"`` shards the root only. A model that is already sharded
     with ``fully_shard`` is returned as it is.
 
@@ -58,7 +60,7 @@ def shard_model(model: nn.Module, args: Any) -> nn.Module:
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from opake_fx.distributed.fsdp import is_fsdp_model
 
@@ -68,11 +70,13 @@ def shard_model(model: nn.Module, args: Any) -> nn.Module:
     plugin = args.fsdp_plugin_args or {}
     reshard = bool(plugin.get("reshard_after_forward", True))
     classes = layer_classes(model, args)
+    # bf16=True: bf16 compute; the sharded DP step keeps the clipped sums, the noise and the parameters float32
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None)
     if classes:
         for module in list(model.modules()):
             if module is not model and isinstance(module, classes):
-                fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh)
+                fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 

@@ -817,13 +817,13 @@ def _clip_state(state: Any) -> Any:
 @contextlib.contextmanager
 def _callable_params(fmodel: FunctionalModel, params: Any) -> Any:
     """``params`` as ``fmodel`` takes them outside the DP step: unchanged, or for an FSDP2 model
-    the gathered full parameters, with its frozen base gathered for the block (collectives: every
-    rank enters together)."""
+    the gathered full parameters (in its mixed-precision compute dtype), with its frozen base
+    gathered for the block (collectives: every rank enters together)."""
     if not isinstance(fmodel, FSDPFunctionalModel):
         yield params
         return
     with fmodel.frozen_gathered():
-        yield tuple(t.detach() for t in gather_params(params))
+        yield fmodel.in_compute_dtype(tuple(t.detach() for t in gather_params(params)))
 
 
 def _private_random_streams() -> Any:

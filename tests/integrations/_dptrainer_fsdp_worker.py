@@ -3,8 +3,8 @@
     _dptrainer_fsdp_worker.py OUT MODE ARCH
 
 MODE ``fsdp`` (Hugging Face's fsdp arguments) or ``ddp`` (none: data-parallel); ARCH ``llama``
-(every parameter trained), ``lora`` (peft adapters on a frozen base) or ``users`` (the llama,
-``privacy_unit="user"``). Rank 0 writes the initial and trained parameters (full tensors), the
+(every parameter trained), ``lora`` (peft adapters on a frozen base), ``users`` (the llama,
+``privacy_unit="user"``) or ``bf16`` (the llama with ``bf16=True``; fsdp only). Rank 0 writes the initial and trained parameters (full tensors), the
 epsilon, the logged losses, the evaluation loss and, under fsdp, what ``save_model`` wrote and
 how the parameters were placed, to OUT/MODE-ARCH.pt.
 """
@@ -31,6 +31,7 @@ FSDP = {
     "users": dict(fsdp=["shard_grad_op", "auto_wrap"],  # layers stay gathered after an evaluation's forward
                   fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}),
 }
+FSDP["bf16"] = dict(FSDP["llama"], bf16=True)  # the llama, computed in bfloat16 (FSDP2's MixedPrecisionPolicy)
 
 
 def tiny_llama(arch: str) -> torch.nn.Module:
@@ -84,6 +85,7 @@ def main(out: str, mode: str, arch: str) -> None:
         record["local_numel"] = sum(p.to_local().numel() for p in params)
         record["total_numel"] = sum(p.numel() for p in params)
         record["groups"] = sum(isinstance(m, FSDPModule) for m in model.modules())
+        record["compute_dtype"] = str(model._get_fsdp_state()._mp_policy.param_dtype)  # the root group's policy
         saved = os.path.join(out, f"{mode}-{arch}", "saved")
         trainer.save_model(saved)  # every rank (a collective gather); the main process writes
         torch.distributed.barrier()

@@ -69,6 +69,21 @@ def test_fsdp_run_equals_the_data_parallel_run(tmp_path, arch):
         assert torch.equal(value, sharded["params"][key]), name
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bf16_with_fsdp_computes_in_bfloat16_and_keeps_float32_parameters(tmp_path):
+    """bf16=True with fsdp: FSDP2's MixedPrecisionPolicy; the trained parameters stay float32 and end near the
+    float32 sharded run's (the same noise: only the bf16 rounding of the per-example gradients differs)."""
+    bf16, fp32 = _launch(tmp_path, "fsdp", "bf16"), _launch(tmp_path, "fsdp", "llama")
+    assert bf16["compute_dtype"] == "torch.bfloat16" and fp32["compute_dtype"] == "None"
+    assert all(p.dtype == torch.float32 for p in bf16["params"].values())
+    assert bf16["epsilon"] == fp32["epsilon"] and bf16["steps"] == 4
+    diff = max(float((bf16["params"][n] - w).abs().max()) for n, w in fp32["params"].items())
+    moved = max(float((fp32["params"][n] - fp32["init"][n]).abs().max()) for n in fp32["init"])
+    assert 0 < diff < 0.05 * moved, (diff, moved)  # bf16 did run, and the runs agree to bf16 precision
+    assert bf16["losses"] == pytest.approx(fp32["losses"], rel=2e-2)
+
+
 # --- refusals: at construction, naming the option and the fix ------------------------------
 
 def _args(**kw):
@@ -102,7 +117,7 @@ V2 = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
      "privacy_noise_mechanism='band_mf' with fsdp"),
     (dict(fsdp=True, fsdp_config=V2, clipping_mode="adaptive"), "clipping_mode='adaptive' with fsdp"),
     (dict(fsdp=True, fsdp_config=V2, clipping_norm={"lora_": 0.5, "fallback": 1.0}), "per-group clipping_norm"),
-    (dict(fsdp=True, fsdp_config=V2, bf16=True), "FSDP2's mixed-precision policy"),
+    (dict(fsdp=True, fsdp_config=V2, fp16=True), "fp16 mixed precision is not supported"),
 ])
 def test_fsdp_options_the_sharded_step_cannot_honour_are_refused(kw, needle):
     with pytest.raises(InputValueError, match="TrainingArguments: ") as err:
@@ -114,7 +129,8 @@ def test_the_supported_fsdp_arguments_are_accepted():
     for kw in (dict(fsdp="full_shard", fsdp_config=V2), dict(fsdp=["shard_grad_op", "auto_wrap"], fsdp_config=V2),
                dict(fsdp=True, fsdp_config={"version": 2, "auto_wrap_policy": "NO_WRAP"}),
                dict(fsdp=True, fsdp_config=V2, privacy_unit="user", privacy_max_examples_per_user=2),
-               dict(fsdp=True, fsdp_config=V2, save_strategy="steps", save_steps=2)):  # sharded checkpoints
+               dict(fsdp=True, fsdp_config=V2, save_strategy="steps", save_steps=2),  # sharded checkpoints
+               dict(fsdp=True, fsdp_config=V2, bf16=True)):  # FSDP2's MixedPrecisionPolicy
         assert _args(**kw).fsdp is True
 
 
@@ -135,3 +151,11 @@ def test_a_layer_class_the_model_lacks_is_named():
     model = hf.gpt2_lora()  # a PEFT model: the base model's _no_split_modules
     assert [c.__name__ for c in layer_classes(model, _args(fsdp=True, fsdp_config={"version": 2}))] == ["GPT2Block"]
     assert layer_classes(model, _args(fsdp=True, fsdp_config={"version": 2, "auto_wrap_policy": "NO_WRAP"})) == ()
+
+
+def test_bf16_without_fsdp_and_fp16_are_refused_naming_where_bf16_is_honoured():
+    with pytest.raises(InputValueError, match=r"bf16 mixed precision is not supported by DPTrainer .*with fsdp under "
+                                              r"torchrun, bf16=True is honoured"):
+        _args(bf16=True)
+    with pytest.raises(InputValueError, match="fp16 mixed precision is not supported"):
+        _args(fp16=True, use_cpu=True)
