@@ -77,13 +77,16 @@ DEFAULT_SECOND_MOMENT_SHARE = 1.0 / 3.0
 """The share of the budget the squared-gradient stream gets by default (first-stream overhead ``sqrt(3/2)``)."""
 
 
-def step_normals(key: RngKey, step: int, like: Sequence[torch.Tensor], *, exact: bool = False) -> list[torch.Tensor]:
+def step_normals(key: RngKey, step: int, like: Sequence[torch.Tensor], *, exact: bool = False,
+                 rows: tuple[Any, Any] | None = None) -> list[torch.Tensor]:
     """Step ``step``'s standard normals under ``key``: one tensor shaped like each of ``like``.
 
     Drawn from ``fold_in(key, step)`` as :func:`add_gaussian_noise` draws them: one flat
     draw per device and dtype (:func:`~opake_fx.random.flat_tree_normal`), or with
     ``exact=True`` JAX-identical Threefry normals, one subkey per leaf. Only the shapes,
-    dtypes and devices of ``like`` are read.
+    dtypes and devices of ``like`` are read. With ``rows = (full_shapes, row_ranges)``
+    the ``like`` are row shards of leaves of ``full_shapes`` and get exactly their rows of
+    the unsharded draw (:func:`~opake_fx.random.flat_tree_normal_rows`; not with ``exact``).
 
     Privacy: none by itself (the caller scales and adds them); the same key and step give
     the same numbers, so a step's key must never be reused.
@@ -96,6 +99,10 @@ def step_normals(key: RngKey, step: int, like: Sequence[torch.Tensor], *, exact:
         >>> torch.equal(a[0], b[0]), a[0].shape
         (True, torch.Size([2]))
     """
+    if rows is not None:
+        if exact:
+            raise InputValueError("step_normals: row shards take the keyed draw only (not exact=True).")
+        return flat_tree_normal_rows(fold_in(key, step), like, full_shapes=rows[0], rows=rows[1])[0]
     if exact:
         return list(tree_normal(fold_in(key, step), list(like), exact=True))
     return flat_tree_normal(fold_in(key, step), like)[0]

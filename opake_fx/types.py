@@ -370,9 +370,10 @@ class RowShardedClippedPytree:
     (what :func:`opake_fx.distributed.fsdp.reduce_scatter_clipped` makes).
 
     Privacy contract: adding or removing one example changes the concatenation of every
-    rank's shards by at most ``max_norm`` in L2 norm. The noise stage draws each rank's
-    rows of the ONE unsharded noise (:func:`opake_fx.random.flat_tree_normal_rows`), so
-    the released whole is the unsharded Gaussian mechanism. It is deliberately not a
+    rank's shards by at most ``max_norm`` in L2 norm. The noise stages (Gaussian, and
+    DP-FTRL's correlated noise) draw each rank's rows of the ONE unsharded noise
+    (:func:`opake_fx.random.flat_tree_normal_rows`), so the released whole is the
+    unsharded mechanism. It is deliberately not a
     :class:`ClippedPytree` and has no map or scale: a mechanism that drew the same keyed
     noise for every rank's shard would give equal noise to different coordinates (the
     difference of two shards would cancel it), so everything but a rows-aware noise

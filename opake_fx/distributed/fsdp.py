@@ -11,7 +11,8 @@ each parameter as a ``DTensor`` whose first axis is split over the ranks. A DP s
    :class:`~opake_fx.types.RowShardedClippedPytree`;
 3. the noise stage adds exactly this rank's rows of the ONE unsharded noise
    (:func:`opake_fx.random.flat_tree_normal_rows`: the same key, step and layout as an
-   unsharded run), so every coordinate gets its noise once;
+   unsharded run), so every coordinate gets its noise once (DP-FTRL's correlated noise
+   too: its streaming buffers hold this rank's rows);
 4. the optimizer updates the local shards only; its state is sharded too.
 
 :func:`fsdp_pipeline` chains the four; ``DPPlan.pipeline(..., model=fmodel)`` builds it

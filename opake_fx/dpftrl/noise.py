@@ -60,7 +60,7 @@ from opake_fx.pytree import tree_flatten_with_paths
 from opake_fx.random import RngKey
 from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.transforms import Transform
-from opake_fx.types import ClippedPytree, NoisedPytree, SecondMomentNoiseOutput
+from opake_fx.types import ClippedPytree, NoisedPytree, RowShardedClippedPytree, SecondMomentNoiseOutput
 from opake_fx.distributed.agreement import AgreementCheck
 from opake_fx.signatures import signature_of
 from opake_fx.typing import typechecked
@@ -152,8 +152,11 @@ def mf_gaussian_noise(
         exactly that; charge it once). Account for it with
         :func:`opake_fx.dpftrl.accounting.mf_gaussian` (same ``min_sep``,
         ``max_participations``, ``epochs``), or with ``accounting.poisson`` for banded
-        strategies under cyclic Poisson sampling. Refuses anything that is not a
-        ``ClippedPytree``, a changing ``max_norm``, and steps beyond ``n_steps``. Under a
+        strategies under cyclic Poisson sampling. A
+        :class:`~opake_fx.types.RowShardedClippedPytree` (an FSDP2 rank's rows) gets
+        exactly its rows of the unsharded correlated noise (its buffers hold those rows),
+        so the ranks' shards together are the unsharded release. Refuses anything else that
+        is not a ``ClippedPytree``, a changing ``max_norm``, and steps beyond ``n_steps``. Under a
         process group every call checks that all ranks hold the same key, step,
         ``noise_multiplier``, strategy sensitivity, horizon and ``max_norm`` (in full on
         the first call, then by one all-reduce of a digest); ``DistributedMismatchError``
@@ -190,6 +193,13 @@ def mf_gaussian_noise(
     )
 
     def noise_fn(clipped: Any, state: MfNoiseState) -> tuple[Any, MfNoiseState]:
+        rows = None
+        if isinstance(clipped, RowShardedClippedPytree):  # this rank's rows of the one unsharded correlated noise
+            if exact:
+                raise InputValueError("mf_gaussian_noise: row-sharded (FSDP2) gradients take the keyed draw, whose "
+                                      "rows every rank can draw alone; not exact=True.")
+            rows = (clipped.full_shapes, clipped.rows)
+            clipped = ClippedPytree(clipped.pytree, clipped.max_norm)
         pair = check_noise_call(clipped, state, MfNoiseState, noise_multiplier, mechanism="mf_gaussian_noise")
         first = clipped.grads if pair else clipped
         facts = [
@@ -226,7 +236,7 @@ def mf_gaussian_noise(
         if std > 0 and not row_norms:  # a noise_multiplier=0 baseline never needs them
             row_norms.append(strategy.inverse_row_norms(horizon))
         row = float(row_norms[0][t]) if std > 0 else 0.0
-        noised, buffers = _stream(first.pytree, state.key, state.buffers, t, std)
+        noised, buffers = _stream(first.pytree, state.key, state.buffers, t, std, rows)
         out = NoisedPytree(noised, first.max_norm, noise_stddev=std * row)
         squared_buffers = state.squared_buffers
         if pair:
@@ -235,12 +245,17 @@ def mf_gaussian_noise(
             out = SecondMomentNoiseOutput(out, NoisedPytree(noised2, second.max_norm, noise_stddev=std2 * row))
         return out, MfNoiseState(state.key, t + 1, buffers, mn, squared_buffers, mn2)
 
-    def _stream(pytree: Any, key: RngKey, buffers: tuple[torch.Tensor, ...], t: int, std: float) -> tuple[Any, tuple[torch.Tensor, ...]]:
-        """One stream's step ``t``: ``pytree + std * (C^{-1} Z)_t`` with ``Z``'s rows drawn from ``fold_in(key, s)``."""
+    def _stream(pytree: Any, key: RngKey, buffers: tuple[torch.Tensor, ...], t: int, std: float,
+                rows: tuple[Any, Any] | None = None) -> tuple[Any, tuple[torch.Tensor, ...]]:
+        """One stream's step ``t``: ``pytree + std * (C^{-1} Z)_t`` with ``Z``'s rows drawn from ``fold_in(key, s)``.
+
+        With ``rows`` (an FSDP2 shard): the leaves' rows of the unsharded ``Z`` (the streaming
+        inverse combines each coordinate's own draws over time, so a shard's buffers hold its rows).
+        """
         if std == 0.0:
             return pytree, buffers
         if independent:
-            return noised_tree(pytree, key, t, std, exact=exact), buffers
+            return noised_tree(pytree, key, t, std, exact=exact, rows=rows), buffers
         _, leaves, spec = tree_flatten_with_paths(pytree)
         like = _shapes_like(leaves, buffer_dtype)
         if inverse.memory > 0 and not buffers:
@@ -251,7 +266,7 @@ def mf_gaussian_noise(
             buffers = inverse.init(like)
 
         def draw(s: int) -> list[torch.Tensor]:  # row s of Z: step s's keyed normals
-            return step_normals(key, s, like, exact=exact)
+            return step_normals(key, s, like, exact=exact, rows=rows)
 
         x, new_buffers = inverse.next(t, draw, buffers, inplace=inplace)
         return spec.unflatten([leaf + (std * xi).to(leaf.dtype) for leaf, xi in zip(leaves, x)]), new_buffers

@@ -477,7 +477,8 @@ class TrainingArguments(transformers.TrainingArguments):
         Refused, each with the fix: FSDP1, XLA FSDP, CPU offload, ``cpu_ram_efficient_loading``,
         FSDP's activation checkpointing, size-based wrapping, sharded state dicts,
         ``load_best_model_at_end``, ``torch_compile``, and the plan parts whose sharded
-        release is not built (DP-FTRL mechanisms, adaptive clipping, per-group clip norms).
+        release is not built (adaptive clipping, per-group clip norms). DP-FTRL mechanisms
+        work sharded (each rank draws its rows of the correlated noise).
         ``bf16=True`` is honoured: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``
         (bf16 forward and backward; the norms, clipped sums, noise, parameters and optimizer
         state stay float32). fp16 is refused for every run, bf16 without fsdp too.
@@ -525,10 +526,6 @@ class TrainingArguments(transformers.TrainingArguments):
             (bool(self.torch_compile),
              "torch_compile=True with fsdp is not supported: the compiled DP step is built for unsharded parameters. "
              "Set torch_compile=False."),
-            (self.privacy_noise_mechanism != "gaussian",
-             f"privacy_noise_mechanism={self.privacy_noise_mechanism!r} with fsdp is not supported: the sharded "
-             "release of DP-FTRL's correlated noise is not built. Use privacy_noise_mechanism='gaussian', or train "
-             "data-parallel (without fsdp)."),
             (self.clipping_mode == "adaptive",
              "clipping_mode='adaptive' with fsdp is not supported: the sharded step is built for one fixed clip norm. "
              "Use clipping_mode='fixed' or 'auto', or train data-parallel (without fsdp)."),

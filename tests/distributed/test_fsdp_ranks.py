@@ -132,24 +132,37 @@ def test_ranks_with_different_noise_keys_are_refused(group2):
         str(o.value)[-400:] for o in outs]
 
 
-def test_sharded_values_never_reach_an_unsharded_mechanism():
-    """A mechanism that draws the same keyed noise on every rank would give two ranks' shards equal noise (their
-    difference cancels it): a RowShardedClippedPytree is not a ClippedPytree, so DP-FTRL's noise and tree_map
-    paths refuse it, and only the rows-aware Gaussian draws its rows."""
+@pytest.mark.parametrize("strategy", ["identity", "bsr"])
+def test_sharded_values_get_their_rows_of_the_one_unsharded_noise(strategy):
+    """A mechanism that drew the same keyed noise for every rank's shard would give different coordinates equal
+    noise (the difference of two shards would cancel it). A RowShardedClippedPytree is not a ClippedPytree: the
+    Gaussian and the DP-FTRL noise stages draw exactly its rows of the unsharded noise (the correlated noise's
+    buffers holding those rows), and the draws that cannot skip to rows (exact, secure) refuse it."""
     from opake_fx.dpftrl.noise import mf_gaussian_noise
-    from opake_fx.dpftrl.strategies import identity_strategy
-    from opake_fx.errors import NoiseInputError
-    from opake_fx.types import RowShardedClippedPytree
+    from opake_fx.dpftrl.strategies import bsr_strategy, identity_strategy
+    from opake_fx.errors import InputValueError
+    from opake_fx.types import ClippedPytree, RowShardedClippedPytree
 
-    shard = RowShardedClippedPytree((torch.zeros(2, 3),), max_norm=0.5, full_shapes=((4, 3),), rows=((2, 4),))
-    noise_fn, state = mf_gaussian_noise(identity_strategy(3), noise_multiplier=1.0, key=key(0))
-    with pytest.raises(NoiseInputError, match="expects a ClippedPytree"):
-        noise_fn(shard, state)
-    other = RowShardedClippedPytree((torch.zeros(2, 3),), max_norm=0.5, full_shapes=((4, 3),), rows=((0, 2),))
+    make = identity_strategy if strategy == "identity" else lambda n: bsr_strategy(n, 2)
+    whole_fn, whole = mf_gaussian_noise(make(3), noise_multiplier=1.0, key=key(0))
+    shard_fn, shard = mf_gaussian_noise(make(3), noise_multiplier=1.0, key=key(0))
+    for _ in range(3):  # three steps: the banded inverse's buffers carry each coordinate's own past draws
+        full, whole = whole_fn(ClippedPytree((torch.zeros(5, 3),), max_norm=0.5), whole)
+        rows, shard = shard_fn(RowShardedClippedPytree((torch.zeros(2, 3),), max_norm=0.5, full_shapes=((5, 3),),
+                                                       rows=((2, 4),)), shard)
+        assert torch.equal(rows.pytree[0], full.pytree[0][2:4])
+    exact_fn, exact_state = mf_gaussian_noise(make(3), noise_multiplier=1.0, key=key(0), exact=True)
+    one = RowShardedClippedPytree((torch.zeros(2, 3),), max_norm=0.5, full_shapes=((4, 3),), rows=((2, 4),))
+    with pytest.raises(InputValueError, match="not exact=True"):
+        exact_fn(one, exact_state)
     stage = noise(noise_multiplier=1.0, key=key(0))
-    a, _ = stage.update(shard, stage.init(None))
+    other = RowShardedClippedPytree((torch.zeros(2, 3),), max_norm=0.5, full_shapes=((4, 3),), rows=((0, 2),))
+    a, _ = stage.update(one, stage.init(None))
     b, _ = stage.update(other, stage.init(None))
     assert not torch.equal(a.pytree[0], b.pytree[0])  # the two ranks' rows get different noise
+    secure = noise(noise_multiplier=1.0, key=key(0), secure=True)
+    with pytest.raises(InputValueError, match="not exact=True or secure=True"):
+        secure.update(one, secure.init(None))
     with pytest.raises(Exception, match="rows"):
         RowShardedClippedPytree((torch.zeros(3, 3),), max_norm=0.5, full_shapes=((4, 3),), rows=((2, 4),))
 
@@ -394,3 +407,55 @@ def test_a_parameter_no_rule_covers_takes_the_exact_fallback_with_its_warning_sh
         params = apply_updates(params, updates)
     for g, w in zip(got, params):
         torch.testing.assert_close(torch.tensor(g), w, rtol=1e-5, atol=1e-6)
+
+
+# --- DP-FTRL (correlated noise) on a sharded model ------------------------------------------------
+
+
+def _ftrl_run(rank: int, world_size: int, mechanism: str, zero_loss: bool) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from opake_fx.distributed.fsdp import make_functional_fsdp
+    from opake_fx.plan import DPPlan
+
+    plan = DPPlan(dataset_size=96, batch_size=24, steps=8, clipping_norm=C, noise_multiplier=1.0, delta=1e-5,
+                  mechanism=mechanism, sampling="b_min_sep", min_sep=2, clip_backend="auto",
+                  **({"bands": 2} if mechanism == "band_mf" else {}))
+    x = torch.randn(96, 5, generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, 3, (96,), generator=torch.Generator().manual_seed(4))
+    out = []
+    for sharded in (False, True):  # the data-parallel run, then the FSDP2 run: the same keys and batches
+        model = _model()
+        if sharded:
+            mesh = init_device_mesh("cpu", (world_size,))
+            fully_shard(model[0], mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            fmodel, params = make_functional_fsdp(model)
+        else:
+            fmodel, params = make_functional(model)
+
+        def loss(p, xb, yb, fmodel=fmodel):
+            per_example = F.cross_entropy(fmodel(p, xb), yb, reduction="none")
+            return per_example * 0.0 if zero_loss else per_example
+
+        pipe = plan.pipeline(loss, sgd(0.5), key=key(0), model=fmodel)
+        state = pipe.init(params)
+        for batch in plan.sampler(x, key(100)):
+            idx = torch.as_tensor(batch, dtype=torch.long)
+            updates, state = pipe.update((x[idx], y[idx]), state, params)
+            params = apply_updates(params, updates)
+        out.append([(p.full_tensor() if sharded else p).tolist() for p in params])
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mechanism", ["blt", "band_mf"])
+def test_dp_ftrl_on_an_fsdp2_model_equals_the_data_parallel_run(group2, mechanism):
+    (ddp, fsdp), (ddp1, fsdp1) = group2.run(_ftrl_run, mechanism, False, timeout=180.0)
+    assert ddp == ddp1 and fsdp == fsdp1
+    for got, want in zip(fsdp, ddp):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    (ddp, fsdp), _ = group2.run(_ftrl_run, mechanism, True, timeout=180.0)  # the correlated noise alone
+    init = [p.tolist() for p in make_functional(_model())[1]]
+    assert fsdp == ddp and fsdp != init  # each rank's rows of the one correlated noise, bit for bit

@@ -4,7 +4,8 @@
 
 MODE ``fsdp`` (Hugging Face's fsdp arguments) or ``ddp`` (none: data-parallel); ARCH ``llama``
 (every parameter trained), ``lora`` (peft adapters on a frozen base), ``users`` (the llama,
-``privacy_unit="user"``) or ``bf16`` (the llama with ``bf16=True``; fsdp only). Rank 0 writes the initial and trained parameters (full tensors), the
+``privacy_unit="user"``), ``bf16`` (the llama with ``bf16=True``; fsdp only) or ``ftrl`` (the llama with
+DP-FTRL: band_mf, cyclic Poisson). Rank 0 writes the initial and trained parameters (full tensors), the
 epsilon, the logged losses, the evaluation loss and, under fsdp, what ``save_model`` wrote and
 how the parameters were placed, to OUT/MODE-ARCH.pt.
 """
@@ -32,6 +33,9 @@ FSDP = {
                   fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}),
 }
 FSDP["bf16"] = dict(FSDP["llama"], bf16=True)  # the llama, computed in bfloat16 (FSDP2's MixedPrecisionPolicy)
+FSDP["ftrl"] = FSDP["llama"]  # the llama trained with DP-FTRL (band_mf's correlated noise, cyclic Poisson)
+FTRL = dict(privacy_noise_mechanism="band_mf", privacy_noise_mechanism_kwargs={"bands": 2},
+            sampling_mode="cyclic_poisson")
 
 
 def tiny_llama(arch: str) -> torch.nn.Module:
@@ -57,6 +61,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def main(out: str, mode: str, arch: str) -> None:
     torch.set_num_threads(1)
     users = dict(privacy_unit="user", privacy_max_examples_per_user=2) if arch == "users" else {}
+    if arch == "ftrl":
+        users = FTRL
     args = TrainingArguments(output_dir=os.path.join(out, f"{mode}-{arch}"), per_device_train_batch_size=8,
                              max_steps=4, learning_rate=1e-2, privacy_noise_multiplier=1.0, privacy_seed=3,
                              logging_steps=1, eval_strategy="steps", eval_steps=2, ddp_backend="gloo", **users,
@@ -72,6 +78,7 @@ def main(out: str, mode: str, arch: str) -> None:
     record = {"init": init, "params": {n: full(p) for n, p in model.named_parameters() if p.requires_grad},
               "eval_losses": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
               "state": type(trainer._dp["state"]).__name__,
+              "noise_state": type(trainer._dp["state"].noise if mode == "fsdp" else trainer._dp["state"]["noise"]).__name__,
               "frozen": {n: full(p) for n, p in model.named_parameters() if not p.requires_grad},
               "epsilon": result.metrics["privacy_epsilon"], "steps": result.global_step,
               "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_loss" not in h],
