@@ -595,12 +595,10 @@ class DPPlan:
             ("mechanism", self.mechanism, ("gaussian", "band_mf", "bsr", "blt")),
             ("clipping_mode", self.clipping_mode, ("fixed", "auto")),
             ("augmult", self.augmult, (1,))) if value not in ok]
-        if isinstance(self.clipping_norm, PerGroup):
-            unsupported.append("per-group clipping_norm")
         if unsupported:
             raise InputValueError(
                 f"DPPlan.pipeline: an FSDP2 model (make_functional_fsdp) trains with the Gaussian or a DP-FTRL "
-                f"mechanism, clipping_mode='fixed' or 'auto', one clipping_norm and augmult=1; got "
+                f"mechanism, clipping_mode='fixed' or 'auto' and augmult=1; got "
                 f"{', '.join(unsupported)}. The "
                 "other parts' sharded releases are not built: train them data-parallel."
             )

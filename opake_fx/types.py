@@ -391,14 +391,16 @@ class RowShardedClippedPytree:
     """
 
     pytree: Any
-    max_norm: float
+    max_norm: float | PerGroup
     full_shapes: tuple[tuple[int, ...], ...]
     rows: tuple[tuple[int, int], ...]
 
     def __post_init__(self) -> None:
         m = self.max_norm
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < math.inf:
-            raise InputValueError(f"RowShardedClippedPytree max_norm must be a finite real number > 0; got {m!r}.")
+        if not isinstance(m, PerGroup) and (
+                isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < math.inf):
+            raise InputValueError(f"RowShardedClippedPytree max_norm must be a finite real number > 0 or a PerGroup; "
+                                  f"got {m!r}.")
         leaves = optree.tree_leaves(self.pytree, namespace=NAMESPACE)
         full = tuple(tuple(int(d) for d in s) for s in self.full_shapes)
         rows = tuple((int(a), int(b)) for a, b in self.rows)
@@ -410,14 +412,14 @@ class RowShardedClippedPytree:
                 "RowShardedClippedPytree: each leaf must be rows [start, stop) of its full shape; got leaf shapes "
                 f"{[tuple(leaf.shape) for leaf in leaves]}, full shapes {list(full)}, rows {list(rows)}."
             )
-        object.__setattr__(self, "max_norm", float(m))
+        object.__setattr__(self, "max_norm", m if isinstance(m, PerGroup) else float(m))
         object.__setattr__(self, "full_shapes", full)
         object.__setattr__(self, "rows", rows)
 
     @property
     def sensitivity(self) -> float:
-        """The L2 sensitivity of the whole (all ranks' shards together): ``max_norm``."""
-        return self.max_norm
+        """The L2 sensitivity of the whole (all ranks' shards together): ``max_norm`` (its ``effective`` value per group)."""
+        return float(self.max_norm.effective) if isinstance(self.max_norm, PerGroup) else self.max_norm
 
 
 @dataclass(frozen=True)

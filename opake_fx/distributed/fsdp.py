@@ -317,7 +317,7 @@ def reduce_scatter_clipped(clipped: ClippedPytree, layout: ShardLayout) -> RowSh
 
     Raises:
         InputTypeError: not a ``ClippedPytree`` (an unclipped or already noised value).
-        InputValueError: per-group norms (not built sharded), or leaves that do not fit the layout.
+        InputValueError: leaves that do not fit the layout.
     """
     import optree
     import torch.distributed as dist
@@ -329,9 +329,6 @@ def reduce_scatter_clipped(clipped: ClippedPytree, layout: ShardLayout) -> RowSh
         raise InputTypeError(
             f"reduce_scatter_clipped needs the clip stage's ClippedPytree; got {type(clipped).__name__}."
         )
-    if isinstance(clipped.max_norm, PerGroup):
-        raise InputValueError("reduce_scatter_clipped: per-group clip norms are not built for sharded training; use one "
-                              "clipping_norm.")
     leaves, spec = optree.tree_flatten(clipped.pytree, namespace=NAMESPACE)
     if [tuple(t.shape) for t in leaves] != list(layout.full_shapes):
         raise InputValueError(
@@ -351,7 +348,9 @@ def reduce_scatter_clipped(clipped: ClippedPytree, layout: ShardLayout) -> RowSh
         out = t.new_empty((chunk, *shape[1:]))
         dist.reduce_scatter_single(out, padded.contiguous(), group=group)
         shards.append(out[: stop - start])
-    return RowShardedClippedPytree(spec.unflatten(shards), float(clipped.max_norm), layout.full_shapes, layout.rows)
+    m = clipped.max_norm  # per group: each leaf keeps its group (the leaves' paths are the unsharded ones)
+    return RowShardedClippedPytree(spec.unflatten(shards), m if isinstance(m, PerGroup) else float(m),
+                                   layout.full_shapes, layout.rows)
 
 
 @dataclass(frozen=True)

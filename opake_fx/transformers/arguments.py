@@ -477,8 +477,8 @@ class TrainingArguments(transformers.TrainingArguments):
         Refused, each with the fix: FSDP1, XLA FSDP, CPU offload, ``cpu_ram_efficient_loading``,
         FSDP's activation checkpointing, size-based wrapping, sharded state dicts,
         ``load_best_model_at_end``, ``torch_compile``, and the plan parts whose sharded
-        release is not built (adaptive clipping, per-group clip norms). DP-FTRL mechanisms
-        work sharded (each rank draws its rows of the correlated noise).
+        release is not built (adaptive clipping). DP-FTRL mechanisms and per-group clip
+        norms work sharded (each rank draws its rows of the noise, each leaf its group's).
         ``bf16=True`` is honoured: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``
         (bf16 forward and backward; the norms, clipped sums, noise, parameters and optimizer
         state stay float32). fp16 is refused for every run, bf16 without fsdp too.
@@ -529,9 +529,6 @@ class TrainingArguments(transformers.TrainingArguments):
             (self.clipping_mode == "adaptive",
              "clipping_mode='adaptive' with fsdp is not supported: the sharded step is built for one fixed clip norm. "
              "Use clipping_mode='fixed' or 'auto', or train data-parallel (without fsdp)."),
-            (isinstance(self.clipping_norm, dict),
-             "a per-group clipping_norm (a dict) with fsdp is not supported: the sharded step reduce-scatters one "
-             "clipped sum of one norm. Give one float clipping_norm, or train data-parallel (without fsdp)."),
         )
         for refused, why in refusals:
             if refused:

@@ -412,15 +412,22 @@ def test_a_parameter_no_rule_covers_takes_the_exact_fallback_with_its_warning_sh
 # --- DP-FTRL (correlated noise) on a sharded model ------------------------------------------------
 
 
-def _ftrl_run(rank: int, world_size: int, mechanism: str, zero_loss: bool) -> list:
+def _ftrl_run(rank: int, world_size: int, mechanism: str, zero_loss: bool, per_group: bool = False) -> list:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from opake_fx.distributed.fsdp import make_functional_fsdp
     from opake_fx.plan import DPPlan
 
-    plan = DPPlan(dataset_size=96, batch_size=24, steps=8, clipping_norm=C, noise_multiplier=1.0, delta=1e-5,
-                  mechanism=mechanism, sampling="b_min_sep", min_sep=2, clip_backend="auto",
+    from opake_fx.planning.clip_norms import per_group_by_regex
+
+    norm = C
+    if per_group:  # the first layer at 0.3, everything else at 1.0 (its own noise stddev per group)
+        fm, p0 = make_functional(_model())
+        norm = per_group_by_regex(p0, list(fm.param_names), {r"^0\.": 0.3, "fallback": 1.0})
+    sampling = dict(sampling="b_min_sep", min_sep=2) if mechanism != "gaussian" else {}
+    plan = DPPlan(dataset_size=96, batch_size=24, steps=8, clipping_norm=norm, noise_multiplier=1.0, delta=1e-5,
+                  mechanism=mechanism, clip_backend="auto", **sampling,
                   **({"bands": 2} if mechanism == "band_mf" else {}))
     x = torch.randn(96, 5, generator=torch.Generator().manual_seed(3))
     y = torch.randint(0, 3, (96,), generator=torch.Generator().manual_seed(4))
@@ -459,3 +466,13 @@ def test_dp_ftrl_on_an_fsdp2_model_equals_the_data_parallel_run(group2, mechanis
     (ddp, fsdp), _ = group2.run(_ftrl_run, mechanism, True, timeout=180.0)  # the correlated noise alone
     init = [p.tolist() for p in make_functional(_model())[1]]
     assert fsdp == ddp and fsdp != init  # each rank's rows of the one correlated noise, bit for bit
+
+
+@pytest.mark.distributed
+def test_per_group_clip_norms_on_an_fsdp2_model_equal_the_data_parallel_run(group2):
+    (ddp, fsdp), _ = group2.run(_ftrl_run, "gaussian", False, True, timeout=180.0)
+    for got, want in zip(fsdp, ddp):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    (ddp, fsdp), _ = group2.run(_ftrl_run, "gaussian", True, True, timeout=180.0)  # the per-group noise alone
+    init = [p.tolist() for p in make_functional(_model())[1]]
+    assert fsdp == ddp and fsdp != init
