@@ -593,7 +593,7 @@ class DPPlan:
         """Refuses the parts whose sharded (FSDP2) release is not built."""
         unsupported = [f"{name}={value!r}" for name, value, ok in (
             ("mechanism", self.mechanism, ("gaussian", "band_mf", "bsr", "blt")),
-            ("clipping_mode", self.clipping_mode, ("fixed", "auto")),
+            ("clipping_mode", self.clipping_mode, ("fixed", "auto", "adaptive")),
             ("augmult", self.augmult, (1,))) if value not in ok]
         if unsupported:
             raise InputValueError(

@@ -477,8 +477,9 @@ class TrainingArguments(transformers.TrainingArguments):
         Refused, each with the fix: FSDP1, XLA FSDP, CPU offload, ``cpu_ram_efficient_loading``,
         FSDP's activation checkpointing, size-based wrapping, sharded state dicts,
         ``load_best_model_at_end``, ``torch_compile``, and the plan parts whose sharded
-        release is not built (adaptive clipping). DP-FTRL mechanisms and per-group clip
-        norms work sharded (each rank draws its rows of the noise, each leaf its group's).
+        release is not built. DP-FTRL mechanisms, per-group clip norms and adaptive clipping
+        work sharded (each rank draws its rows of the noise, each leaf its group's; the
+        noised count is summed over the ranks as without fsdp).
         ``bf16=True`` is honoured: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``
         (bf16 forward and backward; the norms, clipped sums, noise, parameters and optimizer
         state stay float32). fp16 is refused for every run, bf16 without fsdp too.
@@ -526,9 +527,6 @@ class TrainingArguments(transformers.TrainingArguments):
             (bool(self.torch_compile),
              "torch_compile=True with fsdp is not supported: the compiled DP step is built for unsharded parameters. "
              "Set torch_compile=False."),
-            (self.clipping_mode == "adaptive",
-             "clipping_mode='adaptive' with fsdp is not supported: the sharded step is built for one fixed clip norm. "
-             "Use clipping_mode='fixed' or 'auto', or train data-parallel (without fsdp)."),
         )
         for refused, why in refusals:
             if refused:

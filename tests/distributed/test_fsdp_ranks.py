@@ -412,7 +412,8 @@ def test_a_parameter_no_rule_covers_takes_the_exact_fallback_with_its_warning_sh
 # --- DP-FTRL (correlated noise) on a sharded model ------------------------------------------------
 
 
-def _ftrl_run(rank: int, world_size: int, mechanism: str, zero_loss: bool, per_group: bool = False) -> list:
+def _ftrl_run(rank: int, world_size: int, mechanism: str, zero_loss: bool, per_group: bool = False,
+              clipping_mode: str = "fixed") -> list:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -427,7 +428,7 @@ def _ftrl_run(rank: int, world_size: int, mechanism: str, zero_loss: bool, per_g
         norm = per_group_by_regex(p0, list(fm.param_names), {r"^0\.": 0.3, "fallback": 1.0})
     sampling = dict(sampling="b_min_sep", min_sep=2) if mechanism != "gaussian" else {}
     plan = DPPlan(dataset_size=96, batch_size=24, steps=8, clipping_norm=norm, noise_multiplier=1.0, delta=1e-5,
-                  mechanism=mechanism, clip_backend="auto", **sampling,
+                  mechanism=mechanism, clip_backend="auto", clipping_mode=clipping_mode, **sampling,
                   **({"bands": 2} if mechanism == "band_mf" else {}))
     x = torch.randn(96, 5, generator=torch.Generator().manual_seed(3))
     y = torch.randint(0, 3, (96,), generator=torch.Generator().manual_seed(4))
@@ -446,14 +447,22 @@ def _ftrl_run(rank: int, world_size: int, mechanism: str, zero_loss: bool, per_g
             per_example = F.cross_entropy(fmodel(p, xb), yb, reduction="none")
             return per_example * 0.0 if zero_loss else per_example
 
-        pipe = plan.pipeline(loss, sgd(0.5), key=key(0), model=fmodel)
+        count = {"count_key": key(5)} if clipping_mode == "adaptive" else {}
+        pipe = plan.pipeline(loss, sgd(0.5), key=key(0), model=fmodel, **count)
         state = pipe.init(params)
+        norms = []
         for batch in plan.sampler(x, key(100)):
             idx = torch.as_tensor(batch, dtype=torch.long)
             updates, state = pipe.update((x[idx], y[idx]), state, params)
             params = apply_updates(params, updates)
+            if clipping_mode == "adaptive":  # the AdaptiveClipState, inside the plan's clip stage state
+                clip_state = state.clip if sharded else state["clip"]
+                while not hasattr(clip_state, "clipping_norm"):
+                    clip_state = clip_state.clip_state
+                norms.append(float(clip_state.clipping_norm))
         out.append([(p.full_tensor() if sharded else p).tolist() for p in params])
-    return out
+        out.append(norms)
+    return out[0::2] if clipping_mode == "fixed" else out
 
 
 @pytest.mark.distributed
@@ -476,3 +485,14 @@ def test_per_group_clip_norms_on_an_fsdp2_model_equal_the_data_parallel_run(grou
     (ddp, fsdp), _ = group2.run(_ftrl_run, "gaussian", True, True, timeout=180.0)  # the per-group noise alone
     init = [p.tolist() for p in make_functional(_model())[1]]
     assert fsdp == ddp and fsdp != init
+
+
+@pytest.mark.distributed
+def test_adaptive_clipping_on_an_fsdp2_model_equals_the_data_parallel_run(group2):
+    """The noised count is summed over the ranks as under data parallelism: every rank moves the clip norm alike."""
+    (ddp, ddp_norms, fsdp, fsdp_norms), (_, _, fsdp1, fsdp_norms1) = group2.run(
+        _ftrl_run, "gaussian", False, False, "adaptive", timeout=180.0)
+    assert fsdp_norms == ddp_norms == fsdp_norms1 and len(set(ddp_norms)) > 1  # the norm moved, alike everywhere
+    assert fsdp == fsdp1
+    for got, want in zip(fsdp, ddp):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)

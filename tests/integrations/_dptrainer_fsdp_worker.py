@@ -4,10 +4,11 @@
 
 MODE ``fsdp`` (Hugging Face's fsdp arguments) or ``ddp`` (none: data-parallel); ARCH ``llama``
 (every parameter trained), ``lora`` (peft adapters on a frozen base), ``users`` (the llama,
-``privacy_unit="user"``), ``bf16`` (the llama with ``bf16=True``; fsdp only) or ``ftrl`` (the llama with
-DP-FTRL: band_mf, cyclic Poisson) or ``groups`` (the llama with per-group clip norms). Rank 0 writes the initial and trained parameters (full tensors), the
-epsilon, the logged losses, the evaluation loss and, under fsdp, what ``save_model`` wrote and
-how the parameters were placed, to OUT/MODE-ARCH.pt.
+``privacy_unit="user"``), ``bf16`` (the llama with ``bf16=True``; fsdp only), ``ftrl`` (the llama
+with DP-FTRL: band_mf, cyclic Poisson), ``groups`` (per-group clip norms) or ``adaptive``
+(adaptive clipping). Rank 0 writes the initial and trained parameters (full tensors), the
+epsilon, the logged losses and clip norms, the evaluation loss and, under fsdp, what
+``save_model`` wrote and how the parameters were placed, to OUT/MODE-ARCH.pt.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ FSDP = {
                   fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}),
 }
 FSDP["bf16"] = dict(FSDP["llama"], bf16=True)  # the llama, computed in bfloat16 (FSDP2's MixedPrecisionPolicy)
-FSDP["ftrl"] = FSDP["groups"] = FSDP["llama"]  # the llama trained with DP-FTRL (band_mf's correlated noise, cyclic Poisson)
+FSDP["ftrl"] = FSDP["groups"] = FSDP["adaptive"] = FSDP["llama"]  # the llama, with other plan parts
 FTRL = dict(privacy_noise_mechanism="band_mf", privacy_noise_mechanism_kwargs={"bands": 2},
             sampling_mode="cyclic_poisson")
 
@@ -65,6 +66,8 @@ def main(out: str, mode: str, arch: str) -> None:
         users = FTRL
     if arch == "groups":  # the attention projections at 0.3, everything else at 1.0
         users = dict(clipping_norm={r"self_attn\.": 0.3, "fallback": 1.0}, clipping_mode="fixed")
+    if arch == "adaptive":
+        users = dict(clipping_mode="adaptive", clipping_norm=0.05)  # small: most norms above it, the norm grows
     args = TrainingArguments(output_dir=os.path.join(out, f"{mode}-{arch}"), per_device_train_batch_size=8,
                              max_steps=4, learning_rate=1e-2, privacy_noise_multiplier=1.0, privacy_seed=3,
                              logging_steps=1, eval_strategy="steps", eval_steps=2, ddp_backend="gloo", **users,
@@ -84,6 +87,7 @@ def main(out: str, mode: str, arch: str) -> None:
               "frozen": {n: full(p) for n, p in model.named_parameters() if not p.requires_grad},
               "epsilon": result.metrics["privacy_epsilon"], "steps": result.global_step,
               "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_loss" not in h],
+              "clip_norms": [h["clipping_norm"] for h in trainer.state.log_history if "clipping_norm" in h],
               "world": torch.distributed.get_world_size()}
     if mode == "fsdp":
         from torch.distributed.fsdp import FSDPModule
