@@ -494,9 +494,7 @@ class DPPlan:
 
         if not isinstance(key, RngKey):
             raise InputTypeError(f"DPPlan.pipeline needs key=opake_fx.random.key(seed) (the noise key); got {type(key).__name__}.")
-        sharded = _is_sharded_model(model)
-        if sharded:
-            self._check_shardable()
+        sharded = _is_sharded_model(model)  # every part shards: a noise stage that could not draw rows would refuse
         self._key_roles.claim(("noise", key), *[(r, k) for r, k in (("count", count_key), ("augmentation", augment_key))
                                            if isinstance(k, RngKey)])
         if self.user_sampling == "users":  # one unit = one user's block of examples and its mask
@@ -588,20 +586,6 @@ class DPPlan:
             return inner(x, state, params, **extra)
 
         return pipeline._replace(update=update)
-
-    def _check_shardable(self) -> None:
-        """Refuses the parts whose sharded (FSDP2) release is not built."""
-        unsupported = [f"{name}={value!r}" for name, value, ok in (
-            ("mechanism", self.mechanism, ("gaussian", "band_mf", "bsr", "blt")),
-            ("clipping_mode", self.clipping_mode, ("fixed", "auto", "adaptive")),
-            ("augmult", self.augmult, (1,))) if value not in ok]
-        if unsupported:
-            raise InputValueError(
-                f"DPPlan.pipeline: an FSDP2 model (make_functional_fsdp) trains with the Gaussian or a DP-FTRL "
-                f"mechanism, clipping_mode='fixed' or 'auto' and augmult=1; got "
-                f"{', '.join(unsupported)}. The "
-                "other parts' sharded releases are not built: train them data-parallel."
-            )
 
     def padding_buckets(self, growth: float = 1.25) -> tuple[int, ...]:
         """Padded batch sizes for this plan's sampler (:func:`opake_fx.padding.geometric_buckets`).
