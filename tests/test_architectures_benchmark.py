@@ -37,8 +37,18 @@ def test_each_workload_steps(bench, workload, monkeypatch):
     monkeypatch.setattr(bench, "B", 4)
     monkeypatch.setattr(bench, "T", 16)
     variants = ("non-private", "floor", "opake-auto") if workload not in ISSUE_29 else ("non-private", "opake-auto")
-    if workload == "torch-encoder":
-        variants += ("opake-auto-compiled",)
+    _step_variants(bench, workload, variants)
+
+
+@pytest.mark.slow
+def test_the_compiled_variant_steps(bench, monkeypatch):
+    """The compiled column (torch.compile of the whole step: ~30 s of compiling on 2 cores, hence slow)."""
+    monkeypatch.setattr(bench, "B", 4)
+    monkeypatch.setattr(bench, "T", 16)
+    _step_variants(bench, "torch-encoder", ("opake-auto-compiled",))
+
+
+def _step_variants(bench, workload, variants):
     threads = torch.get_num_threads()
     try:
         for variant in variants:
