@@ -92,7 +92,6 @@ def save_sharded_run(directory: str | os.PathLike[str], plan: Any, *, params: An
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-
     layout, rank = _layout_of(params, state, "save_sharded_run"), dist.get_rank()
     _check_extra(extra, "save_sharded_run")
     final = Path(directory)
@@ -121,14 +120,17 @@ def save_sharded_run(directory: str | os.PathLike[str], plan: Any, *, params: An
     dcp.save(tensors, checkpoint_id=str(partial / _TENSORS))
     dist.barrier()
     if rank == 0:
-        (partial / _META).write_text(json.dumps({"world_size": layout.mesh.size(), "step": step}))
-        previous = final.with_name(final.name + ".previous")
-        shutil.rmtree(previous, ignore_errors=True)
-        if final.exists():
-            final.rename(previous)
-        partial.rename(final)
-        shutil.rmtree(previous, ignore_errors=True)
-    dist.barrier()
+        try:
+            (partial / _META).write_text(json.dumps({"world_size": layout.mesh.size(), "step": step}))
+            previous = final.with_name(final.name + ".previous")
+            shutil.rmtree(previous, ignore_errors=True)
+            if final.exists():
+                final.rename(previous)
+            partial.rename(final)
+            shutil.rmtree(previous, ignore_errors=True)
+        except OSError as exc:  # raised on every rank below (the others would wait at a barrier)
+            error = exc
+    _raise_together(error, str(final))
     return step
 
 

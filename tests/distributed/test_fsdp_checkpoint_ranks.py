@@ -199,3 +199,24 @@ def test_optimizer_state_that_differs_between_ranks_is_refused_before_anything_i
     outs = group2.run(_custom_opt_state, str(tmp_path), timeout=240.0)
     assert [o[0] for o in outs] == ["InputValueError", "InputValueError"], outs
     assert "differ between the ranks" in outs[0][1] and all(o[2] is False for o in outs)
+
+
+def _save_into_a_file(rank: int, world_size: int, directory: str) -> list:
+    plan, pipe, params = _setup(world_size)
+    sampler, acct = plan.sampler(range(N), key(1)), plan.accountant()
+    blocker = Path(directory) / "not_a_directory"
+    if rank == 0:
+        blocker.write_text("a file where the checkpoint's parent directory should be")
+    torch.distributed.barrier()
+    try:
+        _train(plan, pipe, params, pipe.init(params), sampler, acct, 0, 1, save=str(blocker))
+    except Exception as exc:  # noqa: BLE001 - the outcome is compared below
+        return [type(exc).__name__, str(exc)]
+    return ["saved", ""]
+
+
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_none_hangs(group2, tmp_path):
+    outs = group2.run(_save_into_a_file, str(tmp_path), timeout=120.0)
+    assert outs[0][0] in ("NotADirectoryError", "FileExistsError", "OSError") and outs[1][0] == "CheckpointRanksError"
+    assert "rank(s) [0] refused" in outs[1][1]
+    assert [o[0] for o in group2.run(_uninterrupted, str(tmp_path / "after"), timeout=240.0)]  # the group still works
