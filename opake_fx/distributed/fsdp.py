@@ -398,7 +398,9 @@ def fsdp_pipeline(clip_stage: Transform, noise_stage: Transform, optimizer: Tran
         with model.frozen_gathered() if model is not None else contextlib.nullcontext():
             clipped, clip_state = clip_stage.update(batch, state.clip, full, **extra)
         del full  # the gathered parameters are not needed past the clip: free them before the reduce-scatter
-        noised, noise_state = noise_stage.update(reduce_scatter_clipped(clipped, layout), state.noise)
+        rows = reduce_scatter_clipped(clipped, layout)
+        del clipped  # the full-size clipped sum is not needed past the reduce-scatter
+        noised, noise_state = noise_stage.update(rows, state.noise)
         local = tuple(p.to_local() for p in params)
         updates, opt_state = optimizer.update(noised, state.opt, local)
         sharded = tuple(DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
