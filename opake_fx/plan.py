@@ -555,17 +555,19 @@ class DPPlan:
         ))
 
     def _ranks_agree(self, pipeline: Any) -> Any:
-        """``pipeline`` whose every step first checks that all ranks run this plan (a no-op in one process).
+        """``pipeline`` whose first step checks that all ranks run this plan (a no-op in one process).
 
-        The noise stage already compares the key, step, multiplier and sensitivity; what it
-        cannot see (the sample rate the accountant charges, the steps, delta, a plan whose
-        batch size and dataset size differ in proportion) is in the plan. The first step
-        compares every field by name; later steps one digest (one tiny all-reduce).
+        The noise stage already compares the key, step, multiplier and sensitivity at every
+        step; what it cannot see (the sample rate the accountant charges, the steps, delta, a
+        plan whose batch size and dataset size differ in proportion) is in the plan. Every
+        field is compared by name at the pipeline's first step, once: the plan is frozen and
+        the pipeline closes over it, so the ranks cannot drift apart later (a new pipeline
+        checks again at its own first step).
         """
         import hashlib
 
         from opake_fx.distributed import is_distributed
-        from opake_fx.distributed.agreement import AgreementCheck
+        from opake_fx.distributed.agreement import agree
         from opake_fx.serialization import plan_identity
 
         def comparable(value: Any) -> Any:  # numbers as they are, anything else (names, lists) by a hash
@@ -575,14 +577,14 @@ class DPPlan:
 
         fields = [(name, comparable(value)) for name, value in sorted(json.loads(plan_identity(self)).items())]
         fields.append(("sample_rate", float(self.sample_rate)))
-        check = AgreementCheck("DPPlan.pipeline", fix=(
-            "Build the plan with the same arguments on every rank (the same dataset_size, batch_size or sample_rate, "
-            "steps, noise, delta and clipping): the accountant of each rank charges its own plan."))
-        inner = pipeline.update
+        fix = ("Build the plan with the same arguments on every rank (the same dataset_size, batch_size or "
+               "sample_rate, steps, noise, delta and clipping): the accountant of each rank charges its own plan.")
+        inner, checked = pipeline.update, [False]
 
         def update(x: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
-            if is_distributed():
-                check(fields)
+            if not checked[0] and is_distributed():
+                agree("DPPlan.pipeline", fields, full=True, fix=fix)
+                checked[0] = True
             return inner(x, state, params, **extra)
 
         return pipeline._replace(update=update)
