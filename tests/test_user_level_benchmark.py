@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 
 
+@pytest.mark.slow
 def test_the_user_level_benchmark_runs_both_arms(tmp_path):
     plot = tmp_path / "user_level.png"
     out = subprocess.run(
