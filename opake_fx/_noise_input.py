@@ -25,7 +25,7 @@ import torch
 
 from opake_fx.errors import InputTypeError, InputValueError, NoiseInputError
 from opake_fx.random import RngKey
-from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup, SecondMomentClippingOutput
+from opake_fx.types import ClippedPytree, NoisedPytree, PerGroup, RowShardedClippedPytree, SecondMomentClippingOutput
 
 MAX_STEPS = 2**64
 """Step counters stay below this: ``fold_in(key, step)`` gives a distinct key for every step in ``[0, 2**64)``."""
@@ -103,6 +103,26 @@ def check_clipped_input(x: Any, noise_multiplier: float, *, mechanism: str) -> N
             "is unbounded, so no amount of noise makes it private. Set a finite clipping_norm, or "
             "noise_multiplier=0 for a non-private run."
         )
+
+
+def row_shards(x: Any, *, mechanism: str, keyed: bool) -> tuple[Any, tuple[Any, Any] | None]:
+    """``(x, None)``, or for an FSDP2 rank's :class:`~opake_fx.types.RowShardedClippedPytree`
+    its rows as a ``ClippedPytree`` and ``rows = (full_shapes, row_ranges)`` for the draw.
+
+    ``keyed``: the mechanism draws the keyed normals (not ``exact`` / ``secure``), the only
+    draw whose rows a rank can take alone; otherwise a row shard is refused.
+
+    Privacy: a shard must get exactly its rows of the ONE unsharded noise (equal noise on
+    two ranks' shards would cancel in their difference); the caller draws with ``rows``.
+    """
+    if not isinstance(x, RowShardedClippedPytree):
+        return x, None
+    if not keyed:
+        raise InputValueError(
+            f"{mechanism}: row-sharded (FSDP2) gradients take the keyed draw, whose rows every rank can draw alone; "
+            "not exact=True or secure=True."
+        )
+    return ClippedPytree(x.pytree, x.max_norm), (x.full_shapes, x.rows)
 
 
 def check_noise_call(x: Any, state: Any, state_type: type, noise_multiplier: float, *, mechanism: str) -> bool:

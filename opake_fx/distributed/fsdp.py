@@ -169,6 +169,13 @@ class FSDPFunctionalModel(FunctionalModel):
         return tuple(t.to(self.compute_dtype) if t.is_floating_point() else t for t in full)
 
     @contextlib.contextmanager
+    def gathered(self, params: Sequence[Any]) -> Iterator[tuple[torch.Tensor, ...]]:
+        """The full ``params`` (gathered, in :attr:`compute_dtype`) as this model takes them, with
+        the frozen parameters gathered for the block (collectives: every rank enters together)."""
+        with self.frozen_gathered():
+            yield self.in_compute_dtype(tuple(t.detach() for t in gather_params(params)))
+
+    @contextlib.contextmanager
     def frozen_gathered(self) -> Iterator[None]:
         """The frozen parameters' full tensors, gathered for the block (released after)."""
         self._frozen_full = tuple(t.detach() for t in self.in_compute_dtype(gather_params(self._frozen)))
@@ -323,7 +330,7 @@ def reduce_scatter_clipped(clipped: ClippedPytree, layout: ShardLayout) -> RowSh
     import torch.distributed as dist
 
     from opake_fx.pytree import NAMESPACE
-    from opake_fx.types import NoisedPytree, PerGroup
+    from opake_fx.types import NoisedPytree
 
     if not isinstance(clipped, ClippedPytree) or isinstance(clipped, NoisedPytree):
         raise InputTypeError(
@@ -348,9 +355,8 @@ def reduce_scatter_clipped(clipped: ClippedPytree, layout: ShardLayout) -> RowSh
         out = t.new_empty((chunk, *shape[1:]))
         dist.reduce_scatter_single(out, padded.contiguous(), group=group)
         shards.append(out[: stop - start])
-    m = clipped.max_norm  # per group: each leaf keeps its group (the leaves' paths are the unsharded ones)
-    return RowShardedClippedPytree(spec.unflatten(shards), m if isinstance(m, PerGroup) else float(m),
-                                   layout.full_shapes, layout.rows)
+    # a per-group max_norm keeps each leaf's group: the shards' paths are the unsharded leaves'
+    return RowShardedClippedPytree(spec.unflatten(shards), clipped.max_norm, layout.full_shapes, layout.rows)
 
 
 @dataclass(frozen=True)
@@ -381,21 +387,22 @@ def fsdp_pipeline(clip_stage: Transform, noise_stage: Transform, optimizer: Tran
         "aggregate", "reduce-scatter over ranks (each rank keeps its rows)")), ("noise", noise_stage.privacy),
         ("opt", optimizer.privacy))
     check_stage_order(described, "fsdp_pipeline")
-    compute = model.in_compute_dtype if model is not None else tuple
+
+    def gathered(params: Any) -> Any:  # the full parameters as the clip stage's model takes them
+        return model.gathered(params) if model is not None else contextlib.nullcontext(gather_params(params))
 
     def init(params: Any) -> FSDPStepState:
         ShardLayout.of(params)  # refuses parameters the step cannot shard
         local = tuple(p.to_local() for p in params)
-        with model.frozen_gathered() if model is not None else contextlib.nullcontext():
-            clip_state = clip_stage.init(compute(gather_params(params)))
+        with gathered(params) as full:
+            clip_state = clip_stage.init(full)
         return FSDPStepState(clip_state, noise_stage.init(None), optimizer.init(local))
 
     def update(batch: Any, state: FSDPStepState, params: Any = None, **extra: Any) -> tuple[Any, FSDPStepState]:
         if params is None:
             raise InputValueError("fsdp_pipeline.update needs params (the sharded parameters).")
         layout = ShardLayout.of(params)
-        full = compute(gather_params(params))
-        with model.frozen_gathered() if model is not None else contextlib.nullcontext():
+        with gathered(params) as full:
             clipped, clip_state = clip_stage.update(batch, state.clip, full, **extra)
         del full  # the gathered parameters are not needed past the clip: free them before the reduce-scatter
         rows = reduce_scatter_clipped(clipped, layout)

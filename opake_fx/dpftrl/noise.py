@@ -45,6 +45,7 @@ from opake_fx._noise_input import (
     check_noise_state,
     check_pair_step,
     check_second_moment_share,
+    row_shards,
 )
 from opake_fx.dpftrl.strategies._base import Strategy
 from opake_fx.dpftrl.strategies.banded import IdentityStrategy
@@ -60,7 +61,7 @@ from opake_fx.pytree import tree_flatten_with_paths
 from opake_fx.random import RngKey
 from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.transforms import Transform
-from opake_fx.types import ClippedPytree, NoisedPytree, RowShardedClippedPytree, SecondMomentNoiseOutput
+from opake_fx.types import ClippedPytree, NoisedPytree, SecondMomentNoiseOutput
 from opake_fx.distributed.agreement import AgreementCheck
 from opake_fx.signatures import signature_of
 from opake_fx.typing import typechecked
@@ -193,13 +194,8 @@ def mf_gaussian_noise(
     )
 
     def noise_fn(clipped: Any, state: MfNoiseState) -> tuple[Any, MfNoiseState]:
-        rows = None
-        if isinstance(clipped, RowShardedClippedPytree):  # this rank's rows of the one unsharded correlated noise
-            if exact:
-                raise InputValueError("mf_gaussian_noise: row-sharded (FSDP2) gradients take the keyed draw, whose "
-                                      "rows every rank can draw alone; not exact=True.")
-            rows = (clipped.full_shapes, clipped.rows)
-            clipped = ClippedPytree(clipped.pytree, clipped.max_norm)
+        # an FSDP2 rank's rows: its rows of the one unsharded correlated noise
+        clipped, rows = row_shards(clipped, mechanism="mf_gaussian_noise", keyed=not exact)
         pair = check_noise_call(clipped, state, MfNoiseState, noise_multiplier, mechanism="mf_gaussian_noise")
         first = clipped.grads if pair else clipped
         facts = [

@@ -34,6 +34,7 @@ from opake_fx._noise_input import (
     check_noise_state,
     check_pair_step,
     check_second_moment_share,
+    row_shards,
 )
 from opake_fx._noise_prefetch import NoisePrefetcher
 from opake_fx.distributed.state_sync import register_sync_type
@@ -53,7 +54,7 @@ from opake_fx.random import RngKey
 from opake_fx.pipeline_privacy import StagePrivacy
 from opake_fx.signatures import signature_of
 from opake_fx.transforms import Transform
-from opake_fx.types import (ClippedPytree, NoisedPytree, PerGroup, RowShardedClippedPytree, SecondMomentClippingOutput,
+from opake_fx.types import (ClippedPytree, NoisedPytree, PerGroup, SecondMomentClippingOutput,
                             SecondMomentNoiseOutput)
 
 __all__ = [
@@ -190,14 +191,8 @@ def gaussian_noise(
     ranks_agree = AgreementCheck("gaussian_noise", fix=_AGREEMENT_FIX)
 
     def noise_fn(clipped: Any, state: GaussianNoiseState) -> tuple[Any, GaussianNoiseState]:
-        sharded = clipped if isinstance(clipped, RowShardedClippedPytree) else None
-        if sharded is not None:  # this rank's rows: it draws its rows of the one unsharded noise
-            if exact or secure:
-                raise InputValueError(
-                    "gaussian_noise: row-sharded (FSDP2) gradients take the keyed draw, whose rows every rank can "
-                    "draw alone; not exact=True or secure=True."
-                )
-            clipped = ClippedPytree(sharded.pytree, sharded.max_norm)
+        # an FSDP2 rank's rows: it draws its rows of the one unsharded noise
+        clipped, rows = row_shards(clipped, mechanism="gaussian_noise", keyed=not (exact or secure))
         pair = check_noise_call(clipped, state, GaussianNoiseState, noise_multiplier, mechanism="gaussian_noise")
         facts = [
             ("key", state.key),
@@ -227,9 +222,8 @@ def gaussian_noise(
             )
             return SecondMomentNoiseOutput(out1, out2), new_state
         std = noise_stddev_for(clipped.max_norm, noise_multiplier, allocation)
-        if sharded is not None:
-            noised = noised_tree(clipped.pytree, state.key, state.step, std,
-                                 rows=(sharded.full_shapes, sharded.rows))
+        if rows is not None:
+            noised = noised_tree(clipped.pytree, state.key, state.step, std, rows=rows)
             return NoisedPytree(noised, clipped.max_norm, noise_stddev=std), new_state
         noised = noised_tree(clipped.pytree, state.key, state.step, std, exact=exact, secure=secure, prefetcher=prefetcher)
         return NoisedPytree(noised, clipped.max_norm, noise_stddev=std), new_state

@@ -35,8 +35,7 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from opake_fx.compiled import compile_step
 from opake_fx.distributed import all_reduce, get_rank, get_world_size, is_distributed
-from opake_fx.distributed.fsdp import (FSDPFunctionalModel, FSDPStepState, gather_params, is_fsdp_model,
-                                       make_functional_fsdp)
+from opake_fx.distributed.fsdp import FSDPFunctionalModel, FSDPStepState, is_fsdp_model, make_functional_fsdp
 from opake_fx.errors import BudgetExceededError, InputTypeError, InputValueError
 from opake_fx.functional import FunctionalModel, make_functional, with_batch_dim
 from opake_fx.plan import DPPlan, per_group_by_regex
@@ -822,8 +821,8 @@ def _callable_params(fmodel: FunctionalModel, params: Any) -> Any:
     if not isinstance(fmodel, FSDPFunctionalModel):
         yield params
         return
-    with fmodel.frozen_gathered():
-        yield fmodel.in_compute_dtype(tuple(t.detach() for t in gather_params(params)))
+    with fmodel.gathered(params) as full:
+        yield full
 
 
 def _private_random_streams() -> Any:
