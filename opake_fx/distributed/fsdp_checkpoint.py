@@ -47,7 +47,7 @@ import torch
 from opake_fx.errors import CheckpointError, InputTypeError, InputValueError
 from opake_fx.distributed.fsdp import FSDPStepState, ShardLayout
 
-__all__ = ["save_sharded_run", "load_sharded_run", "load_sharded_model_state", "is_sharded"]
+__all__ = ["save_sharded_run", "load_sharded_run", "load_sharded_model_state", "is_sharded", "saved_world_size"]
 
 _META = "meta.json"
 _TENSORS = "tensors"
@@ -169,7 +169,7 @@ def load_sharded_run(directory: str | os.PathLike[str], plan: Any, *, params: An
     root, world = Path(directory), layout.mesh.size()
     error: Exception | None = None
     try:
-        saved_world = _saved_world_size(root)
+        saved_world = saved_world_size(root)
         if saved_world != world:
             raise CheckpointError(
                 f"{root} was saved by {saved_world} ranks and is resumed by {world}. Each rank's sampler draws Poisson "
@@ -296,11 +296,26 @@ def _raise_together(error: Exception | None, where: str) -> None:
         raise error from None
 
 
-def _saved_world_size(root: Path) -> int:
+def saved_world_size(directory: str | os.PathLike[str]) -> int:
+    """The number of ranks that saved the sharded checkpoint ``directory`` (from its ``meta.json``).
+
+    Raises:
+        CheckpointError: no complete sharded checkpoint there, or an unreadable ``meta.json``.
+
+    Privacy: none (the run files' own copy is the one :func:`load_sharded_run` checks).
+
+    Example:
+        >>> import json, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> _ = open(f"{d}/meta.json", "w").write(json.dumps({"world_size": 2, "step": 3}))
+        >>> saved_world_size(d)
+        2
+    """
+    root = Path(directory)
     try:
         meta = json.loads((root / _META).read_text())
         return int(meta["world_size"])
-    except FileNotFoundError:
+    except OSError:
         raise CheckpointError(f"{root} holds no complete sharded checkpoint (no {_META}); a save that was killed "
                               "leaves its directory as <name>.partial and the previous checkpoint in place.") from None
     except (ValueError, KeyError, TypeError):

@@ -163,10 +163,11 @@ def _layout_problem(directory: str, rank: int, sharded: bool) -> CheckpointError
 
 
 def _sharded_world(directory: str) -> str:
+    from opake_fx.distributed.fsdp_checkpoint import saved_world_size
+
     try:
-        with open(os.path.join(directory, SHARDED_DP_STATE, "meta.json")) as f:
-            return str(int(json.load(f)["world_size"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        return str(saved_world_size(os.path.join(directory, SHARDED_DP_STATE)))
+    except CheckpointError:
         return "an unknown number of"
 
 
