@@ -145,9 +145,12 @@ class CompiledStep:
         mask = None
         if self.buckets is not None:
             batch_t, mask = pad_batch(batch_t, bucket_for(n, self.buckets))
-            torch._dynamo.mark_static(mask, 0)
-        for leaf in optree.tree_leaves(batch_t, namespace=NAMESPACE):
-            torch._dynamo.mark_static(leaf, 0)  # one graph per (bucket) size, never a symbolic batch
+        # One graph per shape, never a symbolic one: every dimension of every tensor the step
+        # takes is static. Dynamo keeps the shapes it has seen per code object, and every
+        # compiled step shares the pipeline's, so a second step in the process on another
+        # sequence length (or model) would otherwise make that size a symbol by its automatic
+        # dynamic shapes, and dropout under vmap cannot draw a mask of symbolic size.
+        _mark_all_static((params, state, batch_t, mask))
         self.sizes.add(optree.tree_leaves(batch_t, namespace=NAMESPACE)[0].shape[0])
         # Dynamo keeps its graphs per code object, and every compiled step shares the
         # pipeline's code objects (stage.update, the optimizer's update): past its recompile
@@ -192,6 +195,14 @@ class CompiledStep:
         else:
             updates, state = self.pipeline.update(batch, state, params, example_mask=example_mask)
         return apply_updates(params, updates), state
+
+
+def _mark_all_static(tree: Any) -> None:
+    """Marks every dimension of every tensor leaf of ``tree`` static for dynamo."""
+    for leaf in optree.tree_leaves(tree, namespace=NAMESPACE):
+        if isinstance(leaf, torch.Tensor):
+            for dim in range(leaf.dim()):
+                torch._dynamo.mark_static(leaf, dim)
 
 
 _RECOMPILE_LIMIT = 1024

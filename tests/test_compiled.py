@@ -353,3 +353,41 @@ def test_a_learning_rate_schedule_does_not_recompile_every_step(make_opt):
         p_e = apply_updates(p_e, u)
     assert step.graphs_compiled <= 8, step.graphs_compiled
     assert _max_rel(p_c, p_e) < 1e-6
+
+
+class _DropoutSequenceModel(nn.Module):
+    """Embedding -> dropout (training mode) -> mean over positions -> linear: a model whose
+    per-example step draws dropout masks of the sequence's length inside ``vmap``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(8, K)
+
+    def forward(self, ids):
+        return self.head(self.drop(self.emb(ids)).mean(-2))
+
+
+@pytest.mark.slow
+def test_a_second_compiled_step_on_another_sequence_length_stays_static():
+    """Dynamo keeps the shapes it has seen per code object, and every compiled step shares
+    the pipeline's code objects: a second step in the process on another sequence length
+    used to turn that length into a symbol (automatic dynamic shapes), and dropout under
+    vmap cannot draw a mask of symbolic size (it failed inside torch.compile; found when the
+    slow suite ran the trainer's compiled step before the architectures benchmark's)."""
+    torch.manual_seed(0)
+    fmodel, params = make_functional(_DropoutSequenceModel())
+
+    def loss(p, ids, y):
+        return F.cross_entropy(fmodel(p, ids.unsqueeze(0)), y.unsqueeze(0))
+
+    g = torch.Generator().manual_seed(0)
+    for length in (6, 9, 11):
+        pipe = chain(clip(loss, clipping_norm=1.0, batch_argnums=(1, 2)), noise(noise_multiplier=1.0, key=key(length)),
+                     sgd(0.1))
+        step = compile_step(pipe)
+        ids, y = torch.randint(0, 20, (4, length), generator=g), torch.randint(0, K, (4,), generator=g)
+        new_params, _ = step(params, step.init(params), (ids, y))
+        assert step.graphs_compiled > 0
+        assert all(torch.isfinite(t).all() for t in leaves(new_params))
