@@ -48,7 +48,7 @@ from opake_fx.padding import bucket_for, pad_batch
 from opake_fx.pytree import NAMESPACE
 from opake_fx.transforms import Transform, apply_updates
 
-__all__ = ["CompiledStep", "compile_step"]
+__all__ = ["CompiledStep", "compile_step", "matmul_precision", "planning"]
 
 _MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -123,6 +123,8 @@ class CompiledStep:
         self.mode = mode
         self.graphs_compiled = 0
         self.sizes: set[int] = set()
+        self._planned: set[Any] = set()
+        self._precision: tuple[Any, ...] | None = None
         self._compiled = torch.compile(self._step, backend=_counting_backend(mode))
 
     def init(self, params: Any) -> Any:
@@ -142,6 +144,7 @@ class CompiledStep:
         n = leaves[0].shape[0]
         if n == 0:
             return self.eager(params, state, batch_t)
+        self._check_matmul_precision()
         mask = None
         if self.buckets is not None:
             batch_t, mask = pad_batch(batch_t, bucket_for(n, self.buckets))
@@ -152,6 +155,7 @@ class CompiledStep:
         # dynamic shapes, and dropout under vmap cannot draw a mask of symbolic size.
         _mark_all_static((params, state, batch_t, mask))
         self.sizes.add(optree.tree_leaves(batch_t, namespace=NAMESPACE)[0].shape[0])
+        self._plan(params, state, batch_t, mask)
         # Dynamo keeps its graphs per code object, and every compiled step shares the
         # pipeline's code objects (stage.update, the optimizer's update): past its recompile
         # limit (8 by default) it would run this step eagerly, silently. A step's own graphs
@@ -185,6 +189,30 @@ class CompiledStep:
             batch_t, mask = pad_batch(batch_t, bucket_for(n, self.buckets))
         return torch._dynamo.explain(self._step)(params, state, batch_t, mask)
 
+    def _check_matmul_precision(self) -> None:
+        """Refuses a call after torch's float32 matmul precision changed: the traced certified
+        norms took the first call's rounding as a constant (TF32 rounds more than IEEE float32)."""
+        now = matmul_precision()
+        if self._precision is None:
+            self._precision = now
+        elif now != self._precision:
+            raise InputValueError(
+                f"compile_step: torch's float32 matmul precision settings changed since this step was compiled "
+                f"({self._precision} -> {now}); its certified per-example norms assume the rounding of the first. "
+                "Build a new compiled step after changing the precision (or restore the earlier settings).")
+
+    def _plan(self, params: Any, state: Any, batch_t: tuple[Any, ...], mask: torch.Tensor | None) -> None:
+        """Runs one eager step (discarded) for each new batch shape: ``"auto"`` clip stages plan
+        there which layer calls their traced path taps (the plan needs the model run eagerly)."""
+        shape = (tuple((tuple(t.shape), t.dtype) for t in optree.tree_leaves(batch_t, namespace=NAMESPACE)), mask is None)
+        if shape not in self._planned:
+            previous, _PLANNING.on = planning(), True
+            try:
+                self._step(params, state, batch_t, mask)
+            finally:
+                _PLANNING.on = previous
+            self._planned.add(shape)
+
     def eager(self, params: Any, state: Any, batch: Any) -> tuple[Any, Any]:
         """The same step without the compiler (the reference the compiled step is tested against)."""
         return self._step(params, state, batch if isinstance(batch, tuple) else (batch,), None)
@@ -201,10 +229,39 @@ def _mark_all_static(tree: Any) -> None:
     """Marks every dimension of every tensor leaf of ``tree`` static for dynamo."""
     for leaf in optree.tree_leaves(tree, namespace=NAMESPACE):
         if isinstance(leaf, torch.Tensor):
-            for dim in range(leaf.dim()):
-                torch._dynamo.mark_static(leaf, dim)
+            torch._dynamo.mark_static(leaf)  # no index: every dimension
 
 
+def matmul_precision() -> tuple[Any, ...]:
+    """Torch's settings that decide how a float32 matmul rounds (TF32, bf16 inputs).
+
+    Example:
+        >>> from opake_fx.compiled import matmul_precision
+        >>> matmul_precision()[0]  # torch.get_float32_matmul_precision()
+        'highest'
+    """
+    mkldnn = getattr(torch.backends.mkldnn, "matmul", None)
+    return (torch.get_float32_matmul_precision(), getattr(torch.backends, "fp32_precision", None),
+            torch.backends.cuda.matmul.allow_tf32, getattr(torch.backends.cuda.matmul, "fp32_precision", None),
+            getattr(mkldnn, "fp32_precision", None))
+
+
+def planning() -> bool:
+    """Whether a :class:`CompiledStep`'s eager planning step is running in this thread.
+
+    Each new batch shape first runs the step once eagerly (its result discarded): the
+    ``"auto"`` clip backend plans there which layer calls its traced path taps, which
+    needs the model run eagerly. Code that should only plan, not release, can ask this.
+
+    Example:
+        >>> from opake_fx.compiled import planning
+        >>> planning()
+        False
+    """
+    return getattr(_PLANNING, "on", False)
+
+
+_PLANNING = threading.local()
 _RECOMPILE_LIMIT = 1024
 _ACTIVE = threading.local()  # the CompiledStep whose call is compiling (counts its graphs)
 

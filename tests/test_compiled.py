@@ -278,9 +278,9 @@ def _auto_steps(optimizer):
             plan.pipeline(loss, optimizer, key=key(7), model=fmodel), params)
 
 
-def test_compiled_auto_traces_the_whole_loss_path_on_a_small_model(monkeypatch):
-    """Per-example gradients of B * P <= 2**25 elements: "auto" inside a compiled step runs the
-    traced whole-loss vmap path (never the eager rules), equal to the eager "auto" step."""
+def test_compiled_auto_traces_its_own_path_on_a_small_model(monkeypatch):
+    """"auto" inside a compiled step runs its traced path (the Linear layers tapped, no eager
+    rule call), equal to the eager "auto" step."""
     calls = _count_rule_calls(monkeypatch)
     step, eager, params = _auto_steps(adam(1e-2))
     p_c, s_c = params, step.init(params)
@@ -298,21 +298,39 @@ def test_compiled_auto_traces_the_whole_loss_path_on_a_small_model(monkeypatch):
     assert sum(e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense") == 0
 
 
+def _auto_steps_with_norm(optimizer):
+    """As :func:`_auto_steps`, with a LayerNorm: parameters the traced path takes exactly."""
+    torch.manual_seed(0)
+    fmodel, params = make_functional(nn.Sequential(nn.Linear(D, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, K)))
+
+    def loss(p, x, y):
+        return F.cross_entropy(fmodel(p, x), y, reduction="none")
+
+    plan = DPPlan(dataset_size=500, batch_size=16, steps=20, noise_multiplier=1.0, clipping_norm=0.5,
+                  clip_backend="auto")
+    return (plan.compiled_step(loss, optimizer, key=key(7), buckets=(16,), model=fmodel),
+            plan.pipeline(loss, optimizer, key=key(7), model=fmodel), params)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("limit", [("TRACED_WHOLE_LOSS_MAX_ELEMENTS", 16 * 100), ("TRACED_WHOLE_LOSS_MAX_BATCH", 15)],
-                         ids=["elements", "batch"])
-def test_compiled_auto_keeps_the_eager_rules_above_the_thresholds(monkeypatch, limit):
+@pytest.mark.parametrize("limit, rules_run", [(("TRACED_WHOLE_LOSS_MAX_ELEMENTS", 16 * 16), True),
+                                              (("TRACED_WHOLE_LOSS_MAX_BATCH", 15), False)], ids=["elements", "batch"])
+def test_compiled_auto_keeps_the_eager_rules_above_the_thresholds(monkeypatch, limit, rules_run):
+    """Per-example gradients of the exactly-taken parameters above the element limit: the eager
+    rules run inside the compiled step. The batch limit bounds only the whole-loss path: the
+    traced path, whose tapped layers form no per-example gradient, still runs above it."""
     from opake_fx.dpsgd.clipping import _ghost
 
     calls = _count_rule_calls(monkeypatch)
-    monkeypatch.setattr(_ghost, *limit)  # below this model's B * P, or below its batch of 16
-    step, eager, params = _auto_steps(sgd(0.1))
+    monkeypatch.setattr(_ghost, *limit)  # below this model's B * (LayerNorm's 32), or below its batch of 16
+    step, eager, params = _auto_steps_with_norm(sgd(0.1))
     p_c, s_c = params, step.init(params)
     p_e, s_e = params, eager.init(params)
-    for x, y in _batches([16, 12, 15]):
+    for i, (x, y) in enumerate(_batches([16, 12, 15])):
         before = calls[0]
         p_c, s_c = step(p_c, s_c, (x, y))
-        assert calls[0] == before + 1  # the rules ran (eagerly, inside the compiled step)
+        if i:  # (the first call also runs the planning step, eagerly)
+            assert calls[0] == before + int(rules_run)  # the rules ran (eagerly, inside the compiled step) or not
         u, s_e = eager.update((x, y), s_e, p_e)
         p_e = apply_updates(p_e, u)
     assert _max_rel(p_c, p_e) < 1e-6
@@ -391,3 +409,25 @@ def test_a_second_compiled_step_on_another_sequence_length_stays_static():
         new_params, _ = step(params, step.init(params), (ids, y))
         assert step.graphs_compiled > 0
         assert all(torch.isfinite(t).all() for t in leaves(new_params))
+
+
+@pytest.mark.slow
+def test_a_compiled_step_that_ran_the_eager_rules_leaves_later_steps_their_traced_path(monkeypatch):
+    """A step whose clip stage runs the eager rules (above the thresholds) broke its graph inside
+    the clipping function's packaging, and dynamo then gave up on that function's code for the
+    whole process: every later compiled "auto" step (same code) ran the eager rules too."""
+    from opake_fx.dpsgd.clipping import _ghost
+
+    calls = _count_rule_calls(monkeypatch)
+    with monkeypatch.context() as patch:
+        patch.setattr(_ghost, "TRACED_WHOLE_LOSS_MAX_ELEMENTS", 16)
+        first, _, params = _auto_steps_with_norm(sgd(0.1))
+        (x, y), = _batches([16])
+        first(params, first.init(params), (x, y))
+    assert calls[0] >= 1  # the first step ran the rules
+    second, _, params = _auto_steps_with_norm(sgd(0.1))
+    s = second.init(params)
+    for x, y in _batches([16, 12]):
+        before = calls[0]
+        params, s = second(params, s, (x, y))
+    assert calls[0] == before  # the second step's last call traced its own path

@@ -363,25 +363,41 @@ def test_listener_refuses_connections_without_the_secret():
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_interrupt_with_a_rank_blocked_in_a_collective_breaks_the_pool_instead_of_hanging(monkeypatch):
-    """Rank 1 waits in all_reduce for rank 0, which is interrupted first: no hang, the pool is stopped."""
+    """Rank 1 waits in all_reduce for rank 0, which is interrupted first: no hang, the pool is stopped.
+
+    The interrupt is sent once rank 1 says it enters the collective (not after a fixed delay,
+    which a busy machine outran: the cell had not started yet), and rank 1 ignores SIGINT from
+    then on, so it stays blocked whatever the timing."""
     import threading
 
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
-    pool = DistPool(2, backend="gloo", interrupt_grace=3.0, echo=lambda r, s, line: None)
+    entered = threading.Event()
+
+    def echo(rank, stream, line):
+        if rank == 1 and "entering all_reduce" in line:
+            entered.set()
+
+    pool = DistPool(2, backend="gloo", interrupt_grace=3.0, echo=echo)
     pids = [pool.torchrun_pid, *pool.pids.values()]
-    timer = threading.Timer(2.0, os.kill, args=(os.getpid(), signal.SIGINT))
+
+    def interrupt():
+        entered.wait(300)
+        time.sleep(0.5)  # (rank 1 is in all_reduce by now, or about to be: it ignores SIGINT either way)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    sender = threading.Thread(target=interrupt, daemon=True)
     try:
-        timer.start()
-        started = time.monotonic()
+        sender.start()
         with pytest.raises(PoolBrokenError, match="did not stop within 3 s"):
-            pool.run_cell("import time, torch, torch.distributed as dist\n"
+            pool.run_cell("import signal, time, torch, torch.distributed as dist\n"
                           "if rank == 0:\n    time.sleep(60)\n"
+                          "else:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                          "    print('entering all_reduce', flush=True)\n"
                           "dist.all_reduce(torch.ones(1))")
-        assert time.monotonic() - started < 30
+        assert entered.is_set()
         assert pool.state == "broken" and "did not stop" in pool.reason
     finally:
-        timer.cancel()
         pool.stop()
     assert _wait_gone(pids) == []
 

@@ -30,3 +30,8 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    # Leave the process group before exiting: gloo's threads torn down at interpreter exit
+    # abort the process now and then ("terminate called without an active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -113,3 +113,8 @@ def main(out: str, mode: str, arch: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+    # Leave the process group before exiting: gloo's threads torn down at interpreter exit
+    # abort the process now and then ("terminate called without an active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

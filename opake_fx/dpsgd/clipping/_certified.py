@@ -90,8 +90,12 @@ def gamma(n: int, dtype: torch.dtype) -> float:
     return nu / (1.0 - nu)
 
 
+@torch.compiler.assume_constant_result
 def float32_matmul_is_ieee(device: torch.device) -> bool:
     """Whether a float32 matmul on ``device`` rounds as IEEE float32 (no TF32 / bf16 inputs).
+
+    Traced code takes the answer as a constant (:class:`opake_fx.compiled.CompiledStep`
+    refuses a step once torch's matmul precision settings differ from its first call's).
 
     Example:
         >>> float32_matmul_is_ieee(torch.device("cpu"))  # torch's default settings

@@ -16,6 +16,8 @@ import torch
 
 from opake_fx.dpsgd.clipping._engine import StepResult, WeightFn, clipped_step, package
 from opake_fx.dpsgd.clipping._ghost import make_backend, traced_whole_loss_pays, whole_loss_backend
+from opake_fx.compiled import planning
+from opake_fx.dpsgd.clipping._traced import TracedTaps, taps_pay
 from opake_fx.dpsgd.clipping.options import ClipConfig
 from opake_fx.dpsgd.clipping.types import FixedClipState, check_state
 from opake_fx.errors import InputTypeError, InputValueError
@@ -75,21 +77,35 @@ def make_grad_fn(loss_fn: Callable[..., Any], mode: ClipFunctionSpec, arguments:
             )
 
     plans: dict[Any, Any] = {}  # structure-only derivations, reused across calls (_engine.StaticPlan)
-    # The fast backends observe the model through module hooks, autograd taps and probes that
-    # torch.compile cannot trace (a traced probe also fails under compiled autograd, which would
-    # send every layer to the whole-loss fallback): inside a compiled step they run eagerly, as
-    # one opaque call between graphs (opake_fx.compiled says so).
-    # "auto" traces instead the whole-loss vmap path (no hooks) where that is the cheaper one.
-    step = clipped_step if cfg.clip_backend == "vmap" else torch.compiler.disable(clipped_step)
+    traced = TracedTaps(backend.root) if cfg.clip_backend == "auto" else None
+
+    def finish(run_backend: Any, args: tuple[Any, ...], kwargs: dict[str, Any], state: Any, norm: Any,
+               example_mask: torch.Tensor | None) -> Any:
+        result = clipped_step(loss_fn, args, kwargs, cfg, clipping_norm=norm, weight_fn=mode.weights,
+                              backend=run_backend, plans=plans, example_mask=example_mask)
+        return package(result, cfg, norm, mode.advance(state, result))
+
+    # The eager fast backends observe the model through module hooks, autograd taps and probes
+    # that torch.compile cannot trace: inside a compiled step they run eagerly, the whole call
+    # (clip and packaging) as one opaque call between graphs, so that dynamo compiles grad_fn's
+    # frame with the decision in its guards (a graph break inside the packaging made dynamo give
+    # up on the frame for good, and every later compiled step of the process ran it eagerly).
+    # "auto" traces its own path where it can (._traced: the layer rules on tapped calls, exact
+    # per-example gradients for the rest; planned in the compiled step's eager planning step),
+    # or the whole-loss vmap path where that is the cheaper one.
+    finish_eagerly = torch.compiler.disable(finish)
 
     def grad_fn(*args: Any, state: Any = None, example_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
         check_state(state, mode.state_type, mode.maker)
         norm = mode.clipping_norm(state)
-        run, run_backend = step, backend
-        if cfg.clip_backend == "auto" and torch.compiler.is_compiling() and traced_whole_loss_pays(args, cfg):
-            run, run_backend = clipped_step, whole_loss_backend
-        result = run(loss_fn, args, kwargs, cfg, clipping_norm=norm, weight_fn=mode.weights, backend=run_backend,
-                     plans=plans, example_mask=example_mask)
-        return package(result, cfg, norm, mode.advance(state, result))
+        if cfg.clip_backend == "vmap":
+            return finish(backend, args, kwargs, state, norm, example_mask)
+        if traced is not None and (torch.compiler.is_compiling() or planning()):
+            plan = traced.plan_for(loss_fn, args, kwargs, cfg)
+            if plan is not None and taps_pay(plan, args, cfg):
+                return finish(traced.backend(plan), args, kwargs, state, norm, example_mask)
+            if torch.compiler.is_compiling() and traced_whole_loss_pays(args, cfg):
+                return finish(whole_loss_backend, args, kwargs, state, norm, example_mask)
+        return finish_eagerly(backend, args, kwargs, state, norm, example_mask)
 
     return grad_fn

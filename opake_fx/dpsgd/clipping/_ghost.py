@@ -124,7 +124,7 @@ class _NormBackend:
         if self.mode == "auto" and batch and flat and not rules_pay_off(flat[0].device):
             return _whole_loss_norms(loss_fn, args, kwargs, cfg, treedef, [x.detach() for x in flat], batch)
         leaves = [x.detach().requires_grad_(True) for x in flat]
-        run_args = _with_diff(args, cfg, optree.tree_unflatten(treedef, leaves))
+        run_args = with_diff(args, cfg, optree.tree_unflatten(treedef, leaves))
         layout = self.layout(loss_fn, run_args, kwargs, cfg, batch) if batch else BatchLayout()
         capture = _Capture(self.root, leaves, batch, self.mode, self.rewrites_checked, layout, self.rules_checked)
         try:
@@ -772,15 +772,15 @@ def _fallback_rule(use: _Use, names: dict[str, int], batch: int) -> Any:
 
 def _leaf_use_counts(losses: torch.Tensor, index: dict[int, int]) -> dict[int, int]:
     """How many autograd edges lead into each differentiated leaf (its uses in the graph)."""
-    return _leaf_edges([losses], index)
+    return leaf_edges([losses], index)
 
 
 def _leaves_reached(tensors: list[torch.Tensor], index: dict[int, int]) -> set[int]:
     """The differentiated leaves the autograd graphs of ``tensors`` lead into."""
-    return {index[id(t)] for t in tensors if id(t) in index} | set(_leaf_edges(tensors, index))
+    return {index[id(t)] for t in tensors if id(t) in index} | set(leaf_edges(tensors, index))
 
 
-def _leaf_edges(tensors: list[torch.Tensor], index: dict[int, int]) -> dict[int, int]:
+def leaf_edges(tensors: list[torch.Tensor], index: dict[int, int]) -> dict[int, int]:
     """For each differentiated leaf (``index``: id -> leaf), the autograd edges into it from
     the graphs of ``tensors`` (one walk over their nodes)."""
     counts: dict[int, int] = {}
@@ -928,7 +928,7 @@ def _whole_loss_per_example(loss_fn: Callable[..., Any], args: tuple[Any, ...], 
         ls = list(base)
         for k, t in zip(idx, sub):
             ls[k] = t
-        full = _with_diff(a, cfg, optree.tree_unflatten(treedef, ls))
+        full = with_diff(a, cfg, optree.tree_unflatten(treedef, ls))
         full = tuple(
             optree.tree_map(lambda t: t.unsqueeze(0), x, namespace=NAMESPACE) if i in cfg.batch_argnums else x
             for i, x in enumerate(full)
@@ -968,7 +968,7 @@ def _split_loss(out: Any, cfg: ClipConfig, batch: int) -> tuple[torch.Tensor, An
     return loss, aux
 
 
-def _with_diff(args: tuple[Any, ...], cfg: ClipConfig, tree: Any) -> tuple[Any, ...]:
+def with_diff(args: tuple[Any, ...], cfg: ClipConfig, tree: Any) -> tuple[Any, ...]:
     out = list(args)
     if cfg.single_argnum:
         out[cfg.argnums[0]] = tree
