@@ -431,3 +431,22 @@ def test_a_compiled_step_that_ran_the_eager_rules_leaves_later_steps_their_trace
         before = calls[0]
         params, s = second(params, s, (x, y))
     assert calls[0] == before  # the second step's last call traced its own path
+
+
+@pytest.mark.slow
+def test_a_changed_float32_matmul_precision_is_refused_with_the_fix():
+    """The traced certified norms take the matmul rounding of the step's first call as a
+    constant: TF32 ("high") rounds more than IEEE float32, so the step refuses to go on."""
+    fmodel, params, loss = _mlp()
+    step = compile_step(chain(clip(loss, clipping_norm=1.0, batch_argnums=(1, 2)), noise(noise_multiplier=1.0, key=key(0)),
+                              sgd(0.1)))
+    (x, y), = _batches([8])
+    p, s = step(params, step.init(params), (x, y))
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        with pytest.raises(InputValueError, match="matmul precision settings changed"):
+            step(p, s, (x, y))
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    step(p, s, (x, y))  # the first call's settings again: it runs

@@ -168,33 +168,37 @@ class _CNN(nn.Module):
         return self.head(h[:, :, :2].flatten(1))
 
 
-def test_a_cnn_with_grouped_convolutions_taps_every_layer(plans: list[_traced.TapPlan]) -> None:
+def test_a_cnn_with_grouped_convolutions_takes_them_exactly_and_taps_its_head(plans: list[_traced.TapPlan]) -> None:
+    """Convolutions are not tapped (their rule measured slower compiled than exact per-example
+    gradients): exact, beside the tapped Linear head."""
     torch.manual_seed(0)
     x, y = torch.randn(B, 3, 7, 7, dtype=torch.float64), torch.randn(B, 3, dtype=torch.float64)
-    _assert_matches_loop(_CNN(), _mse, x, y)
-    assert plans[-1].exact == ()
+    model = _CNN()
+    _assert_matches_loop(model, _mse, x, y)
+    names = make_functional(model)[0].param_names
+    assert {names[i] for i in plans[-1].tapped} == {"head.weight", "head.bias"}
 
 
-def test_a_convolution_over_frames_folded_into_the_batch_takes_the_exact_path(plans: list[_traced.TapPlan]) -> None:
-    """Each example is 3 frames that the model folds into the convolution's batch axis: the
-    convolution sees 3 images per example, which its rule (one image per example) cannot
-    group, so its parameters take the exact path; the Linear head is still tapped."""
+def test_a_linear_over_frames_folded_into_the_batch_axis_is_tapped_per_example(plans: list[_traced.TapPlan]) -> None:
+    """Each example is 3 frames that the model folds into the leading axis before a Linear: the
+    tapped call sees 3 rows per example, all of that example's (each example runs alone), and
+    the rule sums them into that example's gradient."""
 
     class Frames(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.conv = nn.Conv2d(2, 4, 3)
+            self.frame = nn.Linear(5, 4)
             self.head = nn.Linear(3 * 4, 2)
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, 3, 2, 5, 5]
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, 3, 5]
             b = x.shape[0]
-            h = self.conv(x.reshape(b * 3, 2, 5, 5)).mean((2, 3))  # [B * 3, 4]
+            h = torch.tanh(self.frame(x.reshape(b * 3, 5)))  # [B * 3, 4]
             return self.head(h.reshape(b, 12))
 
     torch.manual_seed(0)
-    x, y = torch.randn(B, 3, 2, 5, 5, dtype=torch.float64), torch.randn(B, 2, dtype=torch.float64)
+    x, y = torch.randn(B, 3, 5, dtype=torch.float64), torch.randn(B, 2, dtype=torch.float64)
     _assert_matches_loop(Frames(), _mse, x, y)
-    assert plans[-1].tapped == (2, 3) and plans[-1].exact == (0, 1)
+    assert plans[-1].tapped == (0, 1, 2, 3) and plans[-1].exact == ()
 
 
 def test_a_tiny_gpt2_with_a_padding_mask_taps_its_conv1d_layers(plans: list[_traced.TapPlan]) -> None:

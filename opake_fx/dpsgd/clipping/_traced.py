@@ -6,8 +6,8 @@ and probes that ``torch.compile`` cannot trace. This path owns its graph instead
 * **Each example alone.** ``vmap`` over the examples of the batched loss on a batch of
   one (as the whole-loss path does): each example's loss, activations and gradients are
   computed from that example only, so independence holds by construction, with no probe.
-* **Taps as inputs.** Every tapped call (``nn.Linear``, Hugging Face's ``Conv1D``,
-  ``nn.Conv1d``/``nn.Conv2d``: :data:`TAPPED_RULES`) adds a zero tensor ``z`` to its
+* **Taps as inputs.** Every tapped call (``nn.Linear`` and Hugging Face's ``Conv1D``:
+  :data:`TAPPED_RULES`) adds a zero tensor ``z`` to its
   output; ``z`` is an input of the per-example gradient, so its gradient is ``g``, the
   gradient of the example's loss with respect to the layer's output, and the layer's
   input ``a`` is returned beside the loss. No weight gradient is formed for these layers.
@@ -51,7 +51,7 @@ from opake_fx.dpsgd.clipping import _ghost
 from opake_fx.dpsgd.clipping._ghost import leaf_edges, with_diff
 from opake_fx.dpsgd.clipping._per_example import autograd_grad, map_examples
 from opake_fx.dpsgd.clipping._rule import BuildContext, Rule
-from opake_fx.dpsgd.clipping._rules_linear import CONV, LINEAR, TRANSPOSED_LINEAR
+from opake_fx.dpsgd.clipping._rules_linear import LINEAR, TRANSPOSED_LINEAR
 from opake_fx.dpsgd.clipping.options import ClipConfig
 from opake_fx.errors import OperationError
 from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths
@@ -62,14 +62,14 @@ __all__ = ["TAPPED_RULES", "Tap", "TapPlan", "TracedTaps", "plan_taps", "taps_pa
 @dataclass(frozen=True)
 class Tap:
     """One tapped call: its module and layer rule, the differentiated parameters it takes
-    (name -> leaf), its per-example output shape, and whether the rule needs the example's
-    axis of one dropped (a convolution reads ``[B, C, ...]``; Linear rules take any leading axes)."""
+    (name -> leaf), and its per-example output's shape and dtype. (A Linear rule takes any
+    leading axes, so the example's axis of one that ``vmap`` stacks needs no reshaping.)"""
 
     module: nn.Module
     rule: Rule
     names: tuple[tuple[str, int], ...]
     out_shape: tuple[int, ...]  # one example's output (its batch axis of one included)
-    squeeze: bool
+    out_dtype: torch.dtype  # the output's (the zero input added to it keeps it)
 
 
 @dataclass(frozen=True)
@@ -119,10 +119,12 @@ def _install(module: nn.Module) -> None:
         module._opake_traced_tap = module.register_forward_hook(_tap_hook)
 
 
-#: The layer rules the traced path runs: Linear layers (``nn.Linear``, Hugging Face's ``Conv1D``)
-#: and ``nn.Conv1d``/``nn.Conv2d``, whose norms and weighted sums are static-shaped tensor
-#: code. (The embedding rules group rows with ``torch.unique``, a data-dependent shape.)
-TAPPED_RULES: tuple[Rule, ...] = (LINEAR, TRANSPOSED_LINEAR, CONV)
+#: The layer rules the traced path runs: Linear layers (``nn.Linear``, Hugging Face's ``Conv1D``),
+#: whose norms and weighted sums are static-shaped tensor code. Convolutions are not tapped:
+#: their rule compiled measured slower than the exact per-example gradients (benchmarks/clipping.py,
+#: 2 CPU threads: cnn-64 29.8 ms against 13.5 ms, cnn-256 105 against 51 ms). The embedding rules
+#: group rows with ``torch.unique``, a data-dependent shape.
+TAPPED_RULES: tuple[Rule, ...] = (LINEAR, TRANSPOSED_LINEAR)
 
 
 def _candidates(root: nn.Module) -> list[nn.Module]:
@@ -162,13 +164,10 @@ def plan_taps(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...
         a = inputs[0] if len(inputs) == 1 else None
         ok = (isinstance(a, torch.Tensor) and a.is_floating_point() and isinstance(output, torch.Tensor)
               and output.dim() >= 1)
-        squeeze = rule is CONV
-        if ok and squeeze:  # a convolution reads one image per example: the example's axis of one
-            ok = a.shape[0] == 1 and output.shape[0] == 1
         info["ok"] = info["ok"] and ok
         if not ok:
             return None
-        info.update(rule=rule, out_shape=tuple(output.shape), squeeze=squeeze)
+        info.update(rule=rule, out_shape=tuple(output.shape), out_dtype=output.dtype)
         cutting[0] = True
         try:  # the call again on detached parameters: only other uses then reach the leaves
             return torch.func.functional_call(module, {n: p.detach() for n, p in own.items()}, (a,))
@@ -193,8 +192,7 @@ def plan_taps(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...
         names = info.get("names", ())
         if not info["ok"] or info["calls"] != 1:
             for _, i in names:
-                why[i] = (f"its {type(info['module']).__name__} is called more than once, or not on one "
-                          "floating-point tensor (one image per example for a convolution)")
+                why[i] = f"its {type(info['module']).__name__} is called more than once, or not on one floating-point tensor"
             continue
         chosen = []
         for name, i in names:
@@ -205,7 +203,7 @@ def plan_taps(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...
             else:
                 chosen.append((name, i))
         if chosen:
-            taps.append(Tap(info["module"], info["rule"], tuple(chosen), info["out_shape"], info["squeeze"]))
+            taps.append(Tap(info["module"], info["rule"], tuple(chosen), info["out_shape"], info["out_dtype"]))
     tapped = {i for t in taps for _, i in t.names}
     exact = tuple(i for i in range(len(leaves)) if i not in tapped)
     for i in exact:
@@ -279,7 +277,7 @@ def traced_norms(plan: TapPlan, loss_fn: Callable[..., Any], args: tuple[Any, ..
     base = [x.detach() for x in flat]
     slots = {id(t.module): k for k, t in enumerate(plan.taps)}
     device = base[0].device if base else None
-    zeros = tuple(torch.zeros(t.out_shape, dtype=base[t.names[0][1]].dtype, device=device) for t in plan.taps)
+    zeros = tuple(torch.zeros(t.out_shape, dtype=t.out_dtype, device=device) for t in plan.taps)
 
     def one(z: tuple[torch.Tensor, ...], exact: tuple[torch.Tensor, ...], *a: Any) -> tuple[torch.Tensor, Any]:
         ls = list(base)
@@ -319,8 +317,6 @@ def traced_norms(plan: TapPlan, loss_fn: Callable[..., Any], args: tuple[Any, ..
     rules: dict[int, tuple[Any, str]] = {}
     for k, tap in enumerate(plan.taps):
         a, g = acts[k], g_taps[k]
-        if tap.squeeze:
-            a, g = a.squeeze(1), g.squeeze(1)
         names = dict(tap.names)
         layer = tap.rule.build(tap.module, (a,), g, names, BuildContext(mode="auto", dtype=base[tap.names[0][1]].dtype))
         for name, i in tap.names:
