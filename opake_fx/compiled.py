@@ -16,11 +16,14 @@ What is traced and what is not:
   eager pipeline's for the same key and step. Counters (steps of the noise, clip and
   optimizer states) are Python ints: the first step compiles them as constants, the
   second once more as symbols, and from then on they never recompile.
-* ``clip_backend="auto"`` traces the whole-loss ``vmap`` path (no hooks) where it measured
-  faster than the eager rules: batches of at most 64 examples whose per-example gradients
-  hold at most ``2**25`` elements (on CUDA, any batch within that memory bound). Elsewhere
-  its layer rules run eagerly, as one opaque call between graphs (module hooks and autograd
-  taps do not trace). ``"ghost"`` always runs its rules eagerly.
+* ``clip_backend="auto"`` traces its own path: each example alone under ``vmap``, its
+  ``nn.Linear`` / ``Conv1D`` calls tapped so that their layer rules run in the graph on
+  ``(input, output gradient)``, exact per-example gradients for the other parameters
+  (planned once per batch shape in an eager *planning step*, :func:`planning`). Where
+  those exact gradients would exceed ``2**25`` elements it traces the whole-loss ``vmap``
+  path (batches of at most 64), else its layer rules run eagerly, as one opaque call
+  between graphs (module hooks and autograd taps do not trace). ``"ghost"`` always runs
+  its rules eagerly.
 * Batch shapes are static: with ``buckets``, each batch is padded up to a bucket size
   (:mod:`opake_fx.padding`) and the padding rows are masked out of the clip stage
   (weight 0: exactly zero contribution), so a Poisson run compiles once per bucket it
@@ -177,7 +180,8 @@ class CompiledStep:
 
         ``graph_count``, ``graph_break_count`` and ``break_reasons`` say what was traced
         and what ran eagerly and why: the noise draw is always one break (by design), a
-        fast clip backend (``"ghost"``/``"auto"``) one more; a model with an untraceable
+        clip backend that runs its rules eagerly (``"ghost"``, or ``"auto"`` above its
+        limits) one more; a model with an untraceable
         operation (``.item()``, data-dependent Python branches) shows its own. A step
         with breaks is still correct: dynamo runs the untraced parts eagerly.
         Nothing is updated (the report is computed on the given values).
@@ -241,9 +245,13 @@ def matmul_precision() -> tuple[Any, ...]:
         'highest'
     """
     mkldnn = getattr(torch.backends.mkldnn, "matmul", None)
-    return (torch.get_float32_matmul_precision(), getattr(torch.backends, "fp32_precision", None),
-            torch.backends.cuda.matmul.allow_tf32, getattr(torch.backends.cuda.matmul, "fp32_precision", None),
-            getattr(mkldnn, "fp32_precision", None))
+
+    def fp32(backend: Any) -> str:  # "none" (not set) and "ieee" round alike
+        value = getattr(backend, "fp32_precision", "none")
+        return "ieee" if value in ("none", "ieee", None) else str(value)
+
+    return (torch.get_float32_matmul_precision(), fp32(torch.backends), torch.backends.cuda.matmul.allow_tf32,
+            fp32(torch.backends.cuda.matmul), fp32(mkldnn))
 
 
 def planning() -> bool:

@@ -861,9 +861,10 @@ def rules_pay_off(device: torch.device) -> bool:
     return device.type != "cuda"
 
 
-# In a compiled step, ``"auto"`` traces the whole-loss ``vmap`` path (inductor fuses the
-# per-example gradients, norms and weighted sum) where that measured faster than running the
-# layer rules eagerly, and bounds the memory of its per-example gradients. Measured on 2 CPU
+# In a compiled step, where its traced path (._traced) does not pay, ``"auto"`` traces the
+# whole-loss ``vmap`` path (inductor fuses the per-example gradients, norms and weighted sum)
+# where that measured faster than running the layer rules eagerly; both bound the memory of
+# their per-example gradients by the element limit below. Measured on 2 CPU
 # threads (benchmarks/clipping.py, one run; traced vs eager rules, ms): mlp-64 0.72 vs 1.06,
 # cnn-64 13.8 vs 14.2, lm-16 41.2 vs 53.2 (small batches: the rules' fixed per-step cost
 # dominates and the graph removes it); mlp-1024 4.67 vs 1.47, cnn-256 52.6 vs 45.8 (large
@@ -874,7 +875,8 @@ TRACED_WHOLE_LOSS_MAX_BATCH = 64
 
 
 def traced_whole_loss_pays(args: tuple[Any, ...], cfg: ClipConfig) -> bool:
-    """Whether ``clip_backend="auto"`` inside a compiled step takes the traced whole-loss path.
+    """Whether ``clip_backend="auto"`` inside a compiled step takes the traced whole-loss path
+    (asked where the traced path of :mod:`._traced` does not pay).
 
     Decided from static facts only (batch size, the differentiated tensors' sizes and device),
     so dynamo guards on it and never re-decides within a shape: ``batch * sum(numel)``

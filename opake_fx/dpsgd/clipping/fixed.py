@@ -74,10 +74,11 @@ def clipped_grad(
             takes the exact whole-loss path, ``vmap`` of the batched ``loss_fn`` over
             single examples (decided once per signature, by the parameters' device
             type); ``"ghost"`` still forces the rules on any device. Inside a compiled
-            step (:func:`opake_fx.compiled.compile_step`) ``"auto"`` traces that same
-            whole-loss path for batches of at most 64 examples with at most ``2**25``
-            per-example gradient elements (where the fused path measured faster) and runs
-            the rules eagerly otherwise.
+            step (:func:`opake_fx.compiled.compile_step`) ``"auto"`` traces its own path:
+            each example alone under ``vmap``, the Linear rules on tapped calls, exact
+            per-example gradients for the other parameters (``opake_fx/dpsgd/clipping/_traced.py``);
+            where those would exceed ``2**25`` elements, the whole-loss path for batches
+            of at most 64, else the rules eagerly.
         model: the :class:`~opake_fx.functional.FunctionalModel` (or ``nn.Module``)
             that ``loss_fn`` calls; its modules are hooked during the call. Only used
             by ``"ghost"`` / ``"auto"``.
