@@ -264,10 +264,12 @@ def _count_rule_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def _auto_steps(optimizer):
-    """A compiled and an eager "auto" step (same plan and keys) on a small MLP, and its params."""
+def _auto_steps(optimizer, norm: bool = False):
+    """A compiled and an eager "auto" step (same plan and keys) on a small MLP, and its params;
+    with ``norm``, a LayerNorm too (parameters the traced path takes exactly)."""
     torch.manual_seed(0)
-    fmodel, params = make_functional(nn.Sequential(nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, K)))
+    layers = [nn.Linear(D, 16), *([nn.LayerNorm(16)] if norm else []), nn.Tanh(), nn.Linear(16, K)]
+    fmodel, params = make_functional(nn.Sequential(*layers))
 
     def loss(p, x, y):
         return F.cross_entropy(fmodel(p, x), y, reduction="none")
@@ -298,20 +300,6 @@ def test_compiled_auto_traces_its_own_path_on_a_small_model(monkeypatch):
     assert sum(e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense") == 0
 
 
-def _auto_steps_with_norm(optimizer):
-    """As :func:`_auto_steps`, with a LayerNorm: parameters the traced path takes exactly."""
-    torch.manual_seed(0)
-    fmodel, params = make_functional(nn.Sequential(nn.Linear(D, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, K)))
-
-    def loss(p, x, y):
-        return F.cross_entropy(fmodel(p, x), y, reduction="none")
-
-    plan = DPPlan(dataset_size=500, batch_size=16, steps=20, noise_multiplier=1.0, clipping_norm=0.5,
-                  clip_backend="auto")
-    return (plan.compiled_step(loss, optimizer, key=key(7), buckets=(16,), model=fmodel),
-            plan.pipeline(loss, optimizer, key=key(7), model=fmodel), params)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("limit, rules_run", [(("TRACED_WHOLE_LOSS_MAX_ELEMENTS", 16 * 16), True),
                                               (("TRACED_WHOLE_LOSS_MAX_BATCH", 15), False)], ids=["elements", "batch"])
@@ -323,7 +311,7 @@ def test_compiled_auto_keeps_the_eager_rules_above_the_thresholds(monkeypatch, l
 
     calls = _count_rule_calls(monkeypatch)
     monkeypatch.setattr(_ghost, *limit)  # below this model's B * (LayerNorm's 32), or below its batch of 16
-    step, eager, params = _auto_steps_with_norm(sgd(0.1))
+    step, eager, params = _auto_steps(sgd(0.1), norm=True)
     p_c, s_c = params, step.init(params)
     p_e, s_e = params, eager.init(params)
     for i, (x, y) in enumerate(_batches([16, 12, 15])):
@@ -421,11 +409,11 @@ def test_a_compiled_step_that_ran_the_eager_rules_leaves_later_steps_their_trace
     calls = _count_rule_calls(monkeypatch)
     with monkeypatch.context() as patch:
         patch.setattr(_ghost, "TRACED_WHOLE_LOSS_MAX_ELEMENTS", 16)
-        first, _, params = _auto_steps_with_norm(sgd(0.1))
+        first, _, params = _auto_steps(sgd(0.1), norm=True)
         (x, y), = _batches([16])
         first(params, first.init(params), (x, y))
     assert calls[0] >= 1  # the first step ran the rules
-    second, _, params = _auto_steps_with_norm(sgd(0.1))
+    second, _, params = _auto_steps(sgd(0.1), norm=True)
     s = second.init(params)
     for x, y in _batches([16, 12]):
         before = calls[0]

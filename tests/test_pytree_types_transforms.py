@@ -164,12 +164,15 @@ def test_map_with_path_applies_each_leaf_its_own_map_and_scales_max_norm_by_the_
     assert out_paths == paths
     for p, before, after in zip(paths, leaves, out_leaves):
         assert torch.equal(after, scales[p] * before)
-    # the declared bound holds for this map: ||F(x) - F(y)|| <= bound * ||x - y|| for a neighbour y
-    other = pt.tree_map(lambda x: x + torch.randn(x.shape, generator=gen), tree)
-    moved = g.map_with_path(lambda path, x: scales[path] * x, lipschitz=bound)
+    # the declared bound holds for this map: ||F(x) - F(y)|| <= bound * ||x - y|| for a neighbour y,
+    # checked in float64 (float32 rounding of leaves near 200 moved a difference by 2e-5 relative:
+    # the arithmetic's, not the map's)
+    wide = pt.tree_map(lambda x: x.double(), tree)
+    other = pt.tree_map(lambda x: x + torch.randn(x.shape, generator=gen, dtype=torch.float64), wide)
+    moved = ClippedPytree(wide, max_norm=0.5).map_with_path(lambda path, x: scales[path] * x, lipschitz=bound)
     moved_other = ClippedPytree(other, max_norm=0.5).map_with_path(lambda path, x: scales[path] * x, lipschitz=bound)
     dist = float(pt.global_norm(pt.sub(moved.pytree, moved_other.pytree)))
-    assert dist <= bound * float(pt.global_norm(pt.sub(tree, other))) * (1 + 1e-5) + 1e-6
+    assert dist <= bound * float(pt.global_norm(pt.sub(wide, other))) * (1 + 1e-12) + 1e-12
 
 
 def test_map_with_path_on_clipped_needs_a_bound_and_on_noised_is_post_processing():

@@ -214,7 +214,7 @@ def plan_taps(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...
 def taps_pay(plan: TapPlan, args: tuple[Any, ...], cfg: ClipConfig) -> bool:
     """Whether the traced path runs ``plan``: it taps at least one call, and the per-example
     gradients of its exact leaves (``batch * numel``) stay within
-    :data:`._ghost.TRACED_WHOLE_LOSS_MAX_ELEMENTS` (else the eager rules run, as before)."""
+    :data:`._ghost.TRACED_WHOLE_LOSS_MAX_ELEMENTS` (else the whole-loss path or the eager rules run)."""
     if not plan.taps:
         return False
     leaves = optree.tree_leaves(diff_tree(args, cfg), namespace=NAMESPACE)
