@@ -14,9 +14,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from opake_fx.compiled import planning
 from opake_fx.dpsgd.clipping._engine import StepResult, WeightFn, clipped_step, package
 from opake_fx.dpsgd.clipping._ghost import make_backend, traced_whole_loss_pays, whole_loss_backend
-from opake_fx.compiled import planning
 from opake_fx.dpsgd.clipping._traced import TracedTaps, taps_pay
 from opake_fx.dpsgd.clipping.options import ClipConfig
 from opake_fx.dpsgd.clipping.types import FixedClipState, check_state

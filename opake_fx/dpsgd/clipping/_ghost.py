@@ -927,20 +927,8 @@ def _whole_loss_per_example(loss_fn: Callable[..., Any], args: tuple[Any, ...], 
     base = [x.detach() for x in leaves]
 
     def one(sub: tuple[torch.Tensor, ...], *a: Any) -> tuple[torch.Tensor, Any]:
-        ls = list(base)
-        for k, t in zip(idx, sub):
-            ls[k] = t
-        full = with_diff(a, cfg, optree.tree_unflatten(treedef, ls))
-        full = tuple(
-            optree.tree_map(lambda t: t.unsqueeze(0), x, namespace=NAMESPACE) if i in cfg.batch_argnums else x
-            for i, x in enumerate(full)
-        )
-        out = loss_fn(*full, **kwargs)
-        loss = (out[0] if cfg.has_aux else out).reshape(())
-        aux = None
-        if with_outputs and cfg.has_aux:
-            aux = optree.tree_map(lambda t: t.detach()[0] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == 1
-                                  else t, out[1], namespace=NAMESPACE)
+        loss, aux = example_outputs(loss_fn(*example_args(a, cfg, treedef, base, idx, sub), **kwargs), cfg,
+                                    with_aux=with_outputs)
         return loss, ((loss.detach(),) if aux is None else (loss.detach(), aux))  # (vmap returns no None)
 
     in_dims = tuple(0 if i in cfg.batch_argnums else None for i in range(len(args)))
@@ -949,6 +937,29 @@ def _whole_loss_per_example(loss_fn: Callable[..., Any], args: tuple[Any, ...], 
                                   loop_fn=autograd_grad(one, has_aux=True))
     found = dict(zip(idx, grads))
     return (found, (outputs[0], outputs[1] if len(outputs) > 1 else None)) if with_outputs else found
+
+
+def example_args(a: tuple[Any, ...], cfg: ClipConfig, treedef: Any, base: list[torch.Tensor], idx: Any,
+                 sub: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+    """The loss's arguments for one example ``a`` (inputs without the batch axis, as ``vmap``
+    passes them): the differentiated tree of ``base`` leaves with leaves ``idx`` replaced by
+    ``sub``, and the batched arguments given back a batch axis of one."""
+    ls = list(base)
+    for k, t in zip(idx, sub):
+        ls[k] = t
+    full = with_diff(a, cfg, optree.tree_unflatten(treedef, ls))
+    return tuple(optree.tree_map(lambda t: t.unsqueeze(0), x, namespace=NAMESPACE) if i in cfg.batch_argnums else x
+                 for i, x in enumerate(full))
+
+
+def example_outputs(out: Any, cfg: ClipConfig, with_aux: bool = True) -> tuple[torch.Tensor, Any]:
+    """One example's loss (a scalar) and, with ``has_aux`` and ``with_aux``, its aux (tensors
+    without the example's axis of one); ``None`` for the aux otherwise."""
+    loss = (out[0] if cfg.has_aux else out).reshape(())
+    if not (with_aux and cfg.has_aux):
+        return loss, None
+    return loss, optree.tree_map(lambda t: t.detach()[0] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == 1
+                                 else t, out[1], namespace=NAMESPACE)
 
 
 def _split_loss(out: Any, cfg: ClipConfig, batch: int) -> tuple[torch.Tensor, Any]:

@@ -48,7 +48,7 @@ from opake_fx.dpsgd.clipping import _numerics as N
 from opake_fx.dpsgd.clipping import _registry
 from opake_fx.dpsgd.clipping._engine import PerExampleNorms, batch_size_of, diff_tree
 from opake_fx.dpsgd.clipping import _ghost
-from opake_fx.dpsgd.clipping._ghost import leaf_edges, with_diff
+from opake_fx.dpsgd.clipping._ghost import example_args, example_outputs, leaf_edges, with_diff
 from opake_fx.dpsgd.clipping._per_example import autograd_grad, map_examples
 from opake_fx.dpsgd.clipping._rule import BuildContext, Rule
 from opake_fx.dpsgd.clipping._rules_linear import LINEAR, TRANSPOSED_LINEAR
@@ -88,7 +88,7 @@ class TapPlan:
 class _Recording:
     """The taps of one example's forward pass: the zero inputs, the layers' inputs, the calls."""
 
-    def __init__(self, slots: dict[int, int], z: tuple[torch.Tensor, ...] | None) -> None:
+    def __init__(self, slots: dict[int, int], z: tuple[torch.Tensor, ...]) -> None:
         self.slots, self.z = slots, z
         self.inputs: list[Any] = [None] * len(slots)
         self.calls = [0] * len(slots)
@@ -110,7 +110,7 @@ def _tap_hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
         return None
     rec.calls[k] += 1
     rec.inputs[k] = inputs[0]
-    return output if rec.z is None else output + rec.z[k]
+    return output + rec.z[k]
 
 
 def _install(module: nn.Module) -> None:
@@ -280,12 +280,7 @@ def traced_norms(plan: TapPlan, loss_fn: Callable[..., Any], args: tuple[Any, ..
     zeros = tuple(torch.zeros(t.out_shape, dtype=t.out_dtype, device=device) for t in plan.taps)
 
     def one(z: tuple[torch.Tensor, ...], exact: tuple[torch.Tensor, ...], *a: Any) -> tuple[torch.Tensor, Any]:
-        ls = list(base)
-        for k, t in zip(plan.exact, exact):
-            ls[k] = t
-        full = with_diff(a, cfg, optree.tree_unflatten(treedef, ls))
-        full = tuple(optree.tree_map(lambda t: t.unsqueeze(0), x, namespace=NAMESPACE) if i in cfg.batch_argnums else x
-                     for i, x in enumerate(full))
+        full = example_args(a, cfg, treedef, base, plan.exact, exact)
         rec, previous = _Recording(slots, z), _SLOT.rec
         _SLOT.rec = rec
         try:
@@ -299,11 +294,7 @@ def traced_norms(plan: TapPlan, loss_fn: Callable[..., Any], args: tuple[Any, ..
                 f"{rec.calls[slots[id(missed[0])]]} times in this step where its plan saw one call; the model's "
                 "structure changed within a call signature. Run this step eagerly, or keep the model's calls the same "
                 "for a given input shape.")
-        loss = (out[0] if cfg.has_aux else out).reshape(())
-        aux = None
-        if cfg.has_aux:
-            aux = optree.tree_map(lambda t: t.detach()[0] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == 1
-                                  else t, out[1], namespace=NAMESPACE)
+        loss, aux = example_outputs(out, cfg)
         inputs = tuple(x.detach() for x in rec.inputs)
         return loss, ((loss.detach(), inputs) if aux is None else (loss.detach(), inputs, aux))
 
