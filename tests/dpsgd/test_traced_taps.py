@@ -105,7 +105,7 @@ def test_an_mlp_is_tapped_whole_and_matches_the_float64_loop(plans: list[_traced
 
 def test_a_sequence_model_with_a_tied_head_taps_its_linear_layers_only(plans: list[_traced.TapPlan]) -> None:
     """Sequence Linear layers are tapped (ghost or per-example norms by the cost rule); the tied
-    embedding/head weight and the LayerNorm take the exact path."""
+    embedding/head weight (used by two tapped calls) and the LayerNorm take the exact path."""
     torch.manual_seed(0)
     model = _TiedLM()
     ids, y = _tokens()
@@ -115,7 +115,101 @@ def test_a_sequence_model_with_a_tied_head_taps_its_linear_layers_only(plans: li
     tapped = {names[i] for i in plan.tapped}
     assert tapped == {"up.weight", "up.bias", "down.weight", "down.bias"}
     why = dict(plan.why_exact)
-    assert "outside its tapped call" in why[names.index("emb.weight")]
+    assert "shared by several tapped modules" in why[names.index("emb.weight")]
+
+
+class _UntiedLM(nn.Module):
+    """Token embedding with a padding row, positions looked up inside ``forward`` (ids that no
+    argument carries), Linear layers, LayerNorm and an untied head."""
+
+    def __init__(self, scale_grad_by_freq: bool = False) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(V, D, padding_idx=0, scale_grad_by_freq=scale_grad_by_freq)
+        self.pos = nn.Embedding(T, D)
+        self.up = nn.Linear(D, 2 * D)
+        self.down = nn.Linear(2 * D, D)
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        return self.head(self.norm(h + self.down(F.gelu(self.up(h)))))
+
+
+def _repetitive_tokens(seed: int = 0, n: int = B) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens with repeats, padding (id 0) on either side, and one example of a single id."""
+    ids, y = _tokens(seed, n)
+    ids = ids % 4
+    ids[1, :2] = 0
+    ids[2, -1] = 0
+    ids[3] = 2
+    return ids, y
+
+
+def test_an_untied_lm_taps_its_embeddings_and_matches_the_float64_loop(plans: list[_traced.TapPlan]) -> None:
+    """nn.Embedding calls are tapped (their static-shaped rule: sorted ids, rows per distinct id),
+    the positions' too (ids made inside forward, the same for every example); only the
+    LayerNorm takes the exact path. Repeated ids and the padding row included."""
+    torch.manual_seed(0)
+    model = _UntiedLM()
+    ids, y = _repetitive_tokens()
+    _assert_matches_loop(model, _token_loss, ids, y)
+    names = make_functional(model)[0].param_names
+    assert {names[i] for i in plans[-1].exact} == {"norm.weight", "norm.bias"}
+
+
+def test_an_embedding_that_scales_by_frequency_is_not_tapped(plans: list[_traced.TapPlan]) -> None:
+    torch.manual_seed(0)
+    model = _UntiedLM(scale_grad_by_freq=True)
+    ids, y = _repetitive_tokens()
+    _assert_matches_loop(model, _token_loss, ids, y)
+    names = make_functional(model)[0].param_names
+    assert "scale_grad_by_freq" in dict(plans[-1].why_exact)[names.index("tok.weight")]
+    assert names.index("pos.weight") in plans[-1].tapped
+
+
+def test_the_static_embedding_rows_equal_the_unique_rows() -> None:
+    """StaticEmbeddingGrad (sorted ids, [B, T, D] rows) against EmbeddingGrad (torch.unique): the
+    same norms, weighted sums and per-example gradients, padding rows adding nothing."""
+    from opake_fx.dpsgd.clipping._rules_embedding import EmbeddingGrad, StaticEmbeddingGrad
+
+    emb = nn.Embedding(V, D, padding_idx=0)
+    ids, _ = _repetitive_tokens()
+    g = torch.randn(B, T, D, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    static, unique = StaticEmbeddingGrad(ids, g, emb, torch.float64), EmbeddingGrad(ids, g, emb, torch.float64)
+    torch.testing.assert_close(static.sq_norm("weight"), unique.sq_norm("weight"), rtol=1e-12, atol=0)
+    w = torch.rand(B, dtype=torch.float64)
+    keep = torch.tensor([True, False] * 3 + [True])
+    for k in (None, keep):  # (EmbeddingGrad scales its rows in place: a fresh one each time)
+        want = EmbeddingGrad(ids, g, emb, torch.float64).weighted("weight", w, k)
+        torch.testing.assert_close(static.weighted("weight", w, k), want, rtol=1e-12, atol=1e-15)
+    pe = static.per_example("weight")
+    torch.testing.assert_close(pe, EmbeddingGrad(ids, g, emb, torch.float64).per_example("weight"))
+    assert float(pe[:, 0].abs().max()) == 0.0  # the padding row
+
+
+@pytest.mark.parametrize("scale", [1e30, 1e-30, 1.0])
+def test_an_embedding_s_contribution_is_at_most_the_clip_norm_in_float32(plans: list[_traced.TapPlan],
+                                                                          scale: float) -> None:
+    """Crafted float32 token gradients for one repeated id that nearly cancel, at extreme scales:
+    each example's released contribution, measured in float64, never exceeds C."""
+    emb = nn.Embedding(V, D).float()
+    fmodel, params = make_functional(emb)
+
+    def loss(p: Any, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (fmodel(p, ids) * y).sum((1, 2))
+
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(1, 1, D, generator=g)
+    y = torch.cat([torch.randn(1, T, D, generator=g), torch.cat([v, -v * (1 - 1e-7), v, -v, v * 1e-7], 1)]) * scale
+    ids = torch.tensor([[1, 2, 1, 3, 4], [5, 5, 5, 5, 5]])
+    c = 1e-3
+    fn, state = clipped_grad(loss, clipping_norm=c, batch_argnums=(1, 2), clip_backend="auto", model=fmodel)
+    for i in range(2):
+        out, _ = fn(params, ids[i : i + 1], y[i : i + 1], state=state)
+        total = math.sqrt(sum(float((t.double() ** 2).sum()) for t in out.pytree))
+        assert total <= c * (1 + 1e-12), (i, total)
+    assert plans and plans[-1].tapped == (0,)
 
 
 def test_a_linear_applied_twice_is_not_tapped(plans: list[_traced.TapPlan]) -> None:
@@ -322,3 +416,32 @@ def test_compiled_auto_on_a_tied_lm_equals_the_eager_rules_without_host_syncs() 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step(p_c, s_c, (ids, y))
     assert sum(e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense") == 0
+
+
+@pytest.mark.slow
+def test_compiled_auto_in_float64_with_tapped_embeddings_equals_the_vmap_step() -> None:
+    """A float64 model (whose certified norms read binary exponents: inductor's CPU code for a
+    float64 frexp did not compile) with tapped embeddings: the compiled step equals the eager
+    "vmap" step's clipped sum."""
+    from opake_fx.compiled import compile_step
+    from opake_fx.dpsgd import clip, noise
+    from opake_fx.optimizers import sgd
+    from opake_fx.random import key
+    from opake_fx.transforms import chain
+
+    torch.manual_seed(0)
+    fmodel, params = make_functional(_UntiedLM().double())
+    loss = _token_loss(fmodel)
+    step = compile_step(chain(clip(loss, clipping_norm=0.05, batch_argnums=(1, 2), normalize_by=B, clip_backend="auto",
+                                   model=fmodel),
+                              noise(noise_multiplier=0.0, key=key(5)), sgd(1.0)))
+    ids, y = _repetitive_tokens()
+    new, _ = step(params, step.init(params), (ids, y))
+
+    def one(p: Any, i: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return loss(p, i[None], t[None])[0]
+
+    want, _ = clipped_grad(one, clipping_norm=0.05, batch_argnums=(1, 2), normalize_by=B)[0](
+        params, ids, y, state=clipped_grad(one, clipping_norm=0.05, batch_argnums=(1, 2))[1])
+    for p, q, u in zip(params, new, want.pytree):
+        torch.testing.assert_close(p - q, u, rtol=1e-9, atol=1e-15)

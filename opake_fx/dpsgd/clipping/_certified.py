@@ -449,11 +449,24 @@ def _row_scales(amax: torch.Tensor, band: tuple[int, int], clamp: tuple[int, int
     """``(e, down)`` per row: rows are multiplied by ``2**-e`` (``e = 0`` inside ``band``, for
     zero rows and for non-finite ones), and ``down`` marks the rows scaled down (whose small
     entries may underflow). Decided on the device: no host synchronisation."""
-    _, exponent = torch.frexp(amax)
-    exponent = exponent.to(torch.int32)
+    exponent = _binary_exponent(amax)
     out = torch.isfinite(amax) & (amax > 0) & ((exponent < band[0]) | (exponent > band[1]))
     e = torch.where(out, exponent.clamp(*clamp), torch.zeros_like(exponent))
     return e, e > 0
+
+
+def _binary_exponent(x: torch.Tensor) -> torch.Tensor:
+    """``torch.frexp(x)``'s exponent (``x = m 2**e``, ``0.5 <= m < 1``) for normal float32 and
+    float64 ``x``, read from the exponent bits, int32; a subnormal gets that of the smallest
+    normal number less one (at least its own exponent: both are below every band and clamped
+    alike by :func:`_row_scales`). Inductor's CPU code for a float64 ``frexp`` does not
+    compile (torch 2.13: vectorised int32 exponents of two widths), so a compiled step
+    reads the bits instead. Other dtypes take ``frexp``."""
+    if x.dtype == torch.float32:
+        return ((x.view(torch.int32) >> 23) & 0xFF) - 126
+    if x.dtype == torch.float64:
+        return (((x.view(torch.int64) >> 52) & 0x7FF) - 1022).to(torch.int32)
+    return torch.frexp(x)[1].to(torch.int32)
 
 
 def _exp2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

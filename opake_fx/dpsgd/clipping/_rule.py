@@ -49,6 +49,8 @@ class BuildContext:
         checked: (module type, input shape, names) keys of registered rules already checked
             against autograd (the backend's, kept across steps).
         block: for a tapped projection, the rows of the packed weight it uses.
+        static: the call is traced (:mod:`._traced`): the rule's tensors must have shapes that
+            do not depend on the data (no ``torch.unique``).
     """
 
     mode: str
@@ -56,6 +58,7 @@ class BuildContext:
     shared: bool = False
     checked: set[tuple[Any, ...]] | None = None
     block: tuple[int, int] | None = None
+    static: bool = False
 
 
 class Rule:

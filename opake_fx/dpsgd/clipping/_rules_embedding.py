@@ -119,6 +119,68 @@ class EmbeddingGrad:
 
 
 
+class StaticEmbeddingGrad:
+    """``nn.Embedding`` in a traced graph: :class:`EmbeddingGrad`'s rows with shapes that do
+    not depend on the ids (``torch.unique`` does), for :mod:`._traced`.
+
+    Each example's ids are sorted (stable), runs of equal ids are numbered, and ``g`` is
+    summed into row ``run`` of a ``[B, T, D]`` buffer: example ``i``'s row ``r`` is
+    ``sum_{t: id_it = v_r} g_it`` for its ``r``-th distinct id ``v_r``; its rows past its
+    number of distinct ids are zero (and carry id 0, to which they add nothing). Tokens
+    equal to ``padding_idx`` have their ``g`` zeroed first, so their row is zero. The norm
+    is the certified float64 norm of the example's stored rows (what the weighted sum scales
+    and adds, as in :class:`EmbeddingGrad`); the weighted sum is one ``index_add`` of the
+    scaled rows into the table. Cost ``O(T log T + T D)`` per example, memory that of ``g``.
+
+    Example:
+        >>> emb = nn.Embedding(5, 2)
+        >>> ids = torch.tensor([[3, 1, 3]])
+        >>> g = torch.tensor([[[1.0, 0.0], [0.0, 2.0], [1.0, 0.0]]])
+        >>> rule = StaticEmbeddingGrad(ids, g, emb, torch.float32)
+        >>> round(float(rule.sq_norm("weight")[0]), 4)  # rows: id 1 -> (0, 2), id 3 -> (2, 0)
+        8.0
+    """
+
+    def __init__(self, ids: torch.Tensor, g: torch.Tensor, module: nn.Embedding, dtype: torch.dtype) -> None:
+        batch = ids.shape[0]
+        vocab, dim = module.num_embeddings, module.embedding_dim
+        ids = ids.reshape(batch, -1).long()
+        g = N.as_dtype(g.reshape(batch, -1, dim), dtype)
+        if module.padding_idx is not None:
+            g = g * (ids != module.padding_idx).unsqueeze(-1).to(dtype)
+        sorted_ids, order = torch.sort(ids, dim=1, stable=True)
+        first = torch.ones_like(sorted_ids[:, :1], dtype=torch.bool)
+        starts = torch.cat([first, sorted_ids[:, 1:] != sorted_ids[:, :-1]], dim=1)
+        run = starts.long().cumsum(dim=1) - 1  # [B, T]: the row of each sorted token
+        g_sorted = g.gather(1, order.unsqueeze(-1).expand_as(g))
+        self.rows = torch.zeros_like(g_sorted).scatter_add_(1, run.unsqueeze(-1).expand_as(g_sorted), g_sorted)
+        self.ids = torch.zeros_like(sorted_ids).scatter_(1, run, sorted_ids)  # equal writes for a run
+        self.batch, self.shape, self.dtype = batch, (vocab, dim), dtype
+        self._sq = N.sq_norms_of(self.rows)
+
+    def sq_norm(self, name: str) -> torch.Tensor:
+        return self._sq
+
+    def certified(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._sq, torch.zeros_like(self._sq)
+
+    def weighted(self, name: str, w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        scaled = self.rows * N.as_dtype(w, self.dtype).view(-1, 1, 1)
+        if keep is not None:  # exactly zero, whatever the dropped example's rows or weight hold
+            scaled = N.zero_rows(scaled, keep)
+        out = torch.zeros(self.shape, dtype=self.dtype, device=scaled.device)
+        return out.index_add_(0, self.ids.reshape(-1), scaled.reshape(-1, self.shape[1]))
+
+    def per_example(self, name: str) -> torch.Tensor:
+        out = torch.zeros((self.batch, *self.shape), dtype=self.dtype, device=self.rows.device)
+        owner = torch.arange(self.batch, device=out.device).unsqueeze(1).expand_as(self.ids)
+        return out.index_put_((owner.reshape(-1), self.ids.reshape(-1)), self.rows.reshape(-1, self.shape[1]),
+                              accumulate=True)
+
+    def cross_form(self, name: str) -> tuple[Any, ...] | None:
+        return None  # (a traced table is never shared with another call: the plan sends those to the exact path)
+
+
 def bag_grad(saved: tuple[torch.Tensor, ...], g: torch.Tensor, module: nn.EmbeddingBag, dtype: torch.dtype,
              keep_tokens: bool = False) -> Any:
     """The rule for one call, from what :func:`route` saved and the output gradient ``g [B, D]``."""
@@ -225,7 +287,9 @@ class EmbeddingRule(Rule):
             _refuse_settings(module)  # type: ignore[arg-type]
 
     def build(self, module: nn.Module, saved: tuple[torch.Tensor, ...], g: torch.Tensor, names: dict[str, int],
-              ctx: BuildContext) -> EmbeddingGrad:
+              ctx: BuildContext) -> EmbeddingGrad | StaticEmbeddingGrad:
+        if ctx.static:
+            return StaticEmbeddingGrad(saved[0], g, module, N.compute_dtype(ctx.dtype))  # type: ignore[arg-type]
         return EmbeddingGrad(saved[0], g, module, N.compute_dtype(ctx.dtype), keep_tokens=ctx.shared)  # type: ignore[arg-type]
 
 
@@ -329,4 +393,4 @@ class EmbeddingBagRule(EmbeddingRule):
 EMBEDDING, EMBEDDING_BAG = EmbeddingRule(), EmbeddingBagRule()
 
 __all__ = ["EMBEDDING", "EMBEDDING_BAG", "EmbeddingBagGrad", "EmbeddingBagRule", "EmbeddingGrad", "EmbeddingRule",
-           "MaxBagGrad", "bag_grad"]
+           "MaxBagGrad", "StaticEmbeddingGrad", "bag_grad"]

@@ -6,14 +6,14 @@ and probes that ``torch.compile`` cannot trace. This path owns its graph instead
 * **Each example alone.** ``vmap`` over the examples of the batched loss on a batch of
   one (as the whole-loss path does): each example's loss, activations and gradients are
   computed from that example only, so independence holds by construction, with no probe.
-* **Taps as inputs.** Every tapped call (``nn.Linear`` and Hugging Face's ``Conv1D``:
-  :data:`TAPPED_RULES`) adds a zero tensor ``z`` to its
+* **Taps as inputs.** Every tapped call (``nn.Linear``, Hugging Face's ``Conv1D`` and
+  ``nn.Embedding``: :data:`TAPPED_RULES`) adds a zero tensor ``z`` to its
   output; ``z`` is an input of the per-example gradient, so its gradient is ``g``, the
   gradient of the example's loss with respect to the layer's output, and the layer's
-  input ``a`` is returned beside the loss. No weight gradient is formed for these layers.
-  Their per-example norms and weighted sums come from ``(a, g)`` by the eager backend's
-  own layer rules (ghost norms or per-example weight gradients by the cost rule,
-  certified the same way).
+  input ``a`` (an embedding's ids) is returned beside the loss. No weight gradient is
+  formed for these layers. Their per-example norms and weighted sums come from ``(a, g)``
+  by the eager backend's own layer rules (ghost norms or per-example weight gradients by
+  the cost rule, certified the same way), in their static-shaped form.
 * **Everything else exactly.** Every other differentiated parameter takes the exact
   per-example gradient from the same ``vmap`` (the whole-loss path, restricted to it).
 
@@ -51,6 +51,7 @@ from opake_fx.dpsgd.clipping import _ghost
 from opake_fx.dpsgd.clipping._ghost import example_args, example_outputs, leaf_edges, with_diff
 from opake_fx.dpsgd.clipping._per_example import autograd_grad, map_examples
 from opake_fx.dpsgd.clipping._rule import BuildContext, Rule
+from opake_fx.dpsgd.clipping._rules_embedding import EMBEDDING
 from opake_fx.dpsgd.clipping._rules_linear import LINEAR, TRANSPOSED_LINEAR
 from opake_fx.dpsgd.clipping.options import ClipConfig
 from opake_fx.errors import OperationError
@@ -119,12 +120,32 @@ def _install(module: nn.Module) -> None:
         module._opake_traced_tap = module.register_forward_hook(_tap_hook)
 
 
-#: The layer rules the traced path runs: Linear layers (``nn.Linear``, Hugging Face's ``Conv1D``),
-#: whose norms and weighted sums are static-shaped tensor code. Convolutions are not tapped:
-#: their rule compiled measured slower than the exact per-example gradients (benchmarks/clipping.py,
-#: 2 CPU threads: cnn-64 29.8 ms against 13.5 ms, cnn-256 105 against 51 ms). The embedding rules
-#: group rows with ``torch.unique``, a data-dependent shape.
-TAPPED_RULES: tuple[Rule, ...] = (LINEAR, TRANSPOSED_LINEAR)
+#: The layer rules the traced path runs, whose norms and weighted sums are static-shaped tensor
+#: code: Linear layers (``nn.Linear``, Hugging Face's ``Conv1D``) and ``nn.Embedding`` (its
+#: static form, :class:`._rules_embedding.StaticEmbeddingGrad`: sorted ids in place of
+#: ``torch.unique``). Convolutions are not tapped: their rule compiled measured slower than the
+#: exact per-example gradients (benchmarks/clipping.py, 2 CPU threads: cnn-64 29.8 ms against
+#: 13.5 ms, cnn-256 105 against 51 ms). ``nn.EmbeddingBag``'s rule reads its offsets on the host.
+TAPPED_RULES: tuple[Rule, ...] = (LINEAR, TRANSPOSED_LINEAR, EMBEDDING)
+
+
+def _untappable(rule: Rule, module: nn.Module, a: Any, output: Any) -> str | None:
+    """Why this call cannot be tapped (its parameters then take the exact path), or None: a
+    tap needs one input tensor (floating-point for a Linear, integer ids for an embedding) and
+    an output tensor; an embedding that renormalises its table (``max_norm``) or scales by
+    token counts (``scale_grad_by_freq``) is left to the exact per-example gradients."""
+    name = type(module).__name__
+    if not isinstance(a, torch.Tensor) or not isinstance(output, torch.Tensor) or output.dim() < 1:
+        return f"its {name} is not called on one tensor"
+    if rule is EMBEDDING:
+        if a.is_floating_point() or a.is_complex() or a.dtype == torch.bool:
+            return f"its {name} is not called on integer ids"
+        if module.max_norm is not None or module.scale_grad_by_freq:
+            return f"its {name} sets max_norm or scale_grad_by_freq"
+        return None
+    if not a.is_floating_point():
+        return f"its {name} is not called on a floating-point tensor"
+    return None
 
 
 def _candidates(root: nn.Module) -> list[nn.Module]:
@@ -162,10 +183,9 @@ def plan_taps(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...
         info["names"] = tuple((n, index[id(p)]) for n, p in own.items() if id(p) in index)
         rule = _registry.lookup(module)
         a = inputs[0] if len(inputs) == 1 else None
-        ok = (isinstance(a, torch.Tensor) and a.is_floating_point() and isinstance(output, torch.Tensor)
-              and output.dim() >= 1)
-        info["ok"] = info["ok"] and ok
-        if not ok:
+        refusal = _untappable(rule, module, a, output)
+        if refusal is not None:
+            info["ok"], info["why"] = False, refusal
             return None
         info.update(rule=rule, out_shape=tuple(output.shape), out_dtype=output.dtype)
         cutting[0] = True
@@ -192,7 +212,7 @@ def plan_taps(root: nn.Module, loss_fn: Callable[..., Any], args: tuple[Any, ...
         names = info.get("names", ())
         if not info["ok"] or info["calls"] != 1:
             for _, i in names:
-                why[i] = f"its {type(info['module']).__name__} is called more than once, or not on one floating-point tensor"
+                why[i] = info.get("why", f"its {type(info['module']).__name__} is called more than once")
             continue
         chosen = []
         for name, i in names:
@@ -309,7 +329,8 @@ def traced_norms(plan: TapPlan, loss_fn: Callable[..., Any], args: tuple[Any, ..
     for k, tap in enumerate(plan.taps):
         a, g = acts[k], g_taps[k]
         names = dict(tap.names)
-        layer = tap.rule.build(tap.module, (a,), g, names, BuildContext(mode="auto", dtype=base[tap.names[0][1]].dtype))
+        layer = tap.rule.build(tap.module, (a,), g, names, BuildContext(mode="auto", dtype=base[tap.names[0][1]].dtype,
+                                                                        static=True))
         for name, i in tap.names:
             rules[i] = (layer, name)
     per_ex = dict(zip(plan.exact, g_exact))
