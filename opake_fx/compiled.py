@@ -184,13 +184,17 @@ class CompiledStep:
         limits) one more; a model with an untraceable
         operation (``.item()``, data-dependent Python branches) shows its own. A step
         with breaks is still correct: dynamo runs the untraced parts eagerly.
-        Nothing is updated (the report is computed on the given values).
+        Nothing is updated (the report is computed on the given values). The batch shape's
+        planning step runs first, as before a compiled call, so the report is of the graphs
+        that a call on this batch runs (``"auto"``'s traced path included).
         """
         batch_t = batch if isinstance(batch, tuple) else (batch,)
         mask = None
         if self.buckets is not None:
             n = optree.tree_leaves(batch_t, namespace=NAMESPACE)[0].shape[0]
             batch_t, mask = pad_batch(batch_t, bucket_for(n, self.buckets))
+        _mark_all_static((params, state, batch_t, mask))
+        self._plan(params, state, batch_t, mask)
         return torch._dynamo.explain(self._step)(params, state, batch_t, mask)
 
     def _check_matmul_precision(self) -> None:

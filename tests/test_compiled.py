@@ -438,3 +438,25 @@ def test_a_changed_float32_matmul_precision_is_refused_with_the_fix():
     finally:
         torch.set_float32_matmul_precision(previous)
     step(p, s, (x, y))  # the first call's settings again: it runs
+
+
+@pytest.mark.slow
+def test_explain_reports_the_traced_path_that_a_call_runs(monkeypatch):
+    """explain() runs the batch shape's planning step first, as a call does: without it, the
+    traced "auto" path had no plan and the report described another path than the one run."""
+    from opake_fx.dpsgd.clipping import _traced
+
+    traced_while_compiling = []
+    original = _traced.traced_norms
+
+    def recorded(*args, **kwargs):
+        traced_while_compiling.append(torch.compiler.is_compiling())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_traced, "traced_norms", recorded)
+    fmodel, params, loss = _mlp("auto")
+    plan = DPPlan(dataset_size=100, batch_size=8, steps=5, noise_multiplier=1.0, clipping_norm=1.0, clip_backend="auto")
+    step = compile_step(plan.pipeline(loss, sgd(0.1), key=key(3), model=fmodel), buckets=(8,))
+    report = step.explain(params, step.init(params), _batches([8])[0])
+    assert True in traced_while_compiling, traced_while_compiling
+    assert report.graph_count >= 2  # the clip graph and the optimizer's, the noise draw between them
