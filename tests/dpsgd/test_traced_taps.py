@@ -323,6 +323,49 @@ def test_a_tiny_gpt2_with_a_padding_mask_taps_its_conv1d_layers(plans: list[_tra
     assert "transformer.wte.weight" not in tapped  # tied to the head: exact
 
 
+@pytest.mark.parametrize("arch", ["bert", "llama"])
+def test_tiny_hugging_face_models_with_padding_tap_their_embeddings(plans: list[_traced.TapPlan], arch: str) -> None:
+    """BERT (word, position and token-type tables; positions and token types from buffers, the
+    same for every example) and Llama (untied token table and head), built from configs, with
+    padding on either side: the tables are tapped and the step matches the float64 loop."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if arch == "bert":
+        config = transformers.BertConfig(vocab_size=V, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=16, max_position_embeddings=8, num_labels=3,
+                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                         attn_implementation="eager")
+        model = transformers.BertForSequenceClassification(config).eval()
+        tables = {"bert.embeddings.word_embeddings.weight", "bert.embeddings.position_embeddings.weight",
+                  "bert.embeddings.token_type_embeddings.weight"}
+    else:
+        config = transformers.LlamaConfig(vocab_size=V, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8,
+                                          attn_implementation="eager", tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(config).eval()
+        tables = {"model.embed_tokens.weight"}
+    ids, y = _tokens()
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[4, -2:] = 0  # right padding
+    if arch == "bert":  # (Llama's eager attention gives a fully masked, left-padded query NaN)
+        mask[1, :2] = 0  # left padding
+
+    def loss_of(fmodel: Any) -> Any:
+        def loss(p: Any, ids: torch.Tensor, ym: torch.Tensor) -> torch.Tensor:
+            y, m = ym[:, 0], ym[:, 1]
+            out = fmodel(p, input_ids=ids, attention_mask=m).logits
+            if arch == "bert":
+                return F.cross_entropy(out, y[:, 0] % 3, reduction="none")
+            tok = F.cross_entropy(out.transpose(1, 2), y, reduction="none")
+            return (tok * m).sum(1) / m.sum(1)
+
+        return loss
+
+    _assert_matches_loop(model, loss_of, ids, torch.stack([y, mask], 1), rtol=1e-8)
+    names = make_functional(model)[0].param_names
+    assert tables <= {names[i] for i in plans[-1].tapped}
+
+
 def test_padding_rows_add_exactly_nothing(plans: list[_traced.TapPlan]) -> None:
     torch.manual_seed(0)
     model = _TiedLM()
