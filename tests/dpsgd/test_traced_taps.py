@@ -58,6 +58,16 @@ def _assert_matches_loop(model: nn.Module, loss_of: Any, x: torch.Tensor, y: tor
     torch.testing.assert_close(aux.grad_norms, norms, rtol=rtol, atol=1e-12)
 
 
+def _assert_each_contribution_at_most(loss: Any, fmodel: Any, params: Any, x: torch.Tensor, y: torch.Tensor,
+                                      c: float) -> None:
+    """Each example alone: its released float32 sum, measured in float64, is at most ``c``."""
+    fn, state = clipped_grad(loss, clipping_norm=c, batch_argnums=(1, 2), clip_backend="auto", model=fmodel)
+    for i in range(x.shape[0]):
+        out, _ = fn(params, x[i : i + 1], y[i : i + 1], state=state)
+        total = math.sqrt(sum(float((t.double() ** 2).sum()) for t in out.pytree))
+        assert total <= c * (1 + 1e-12), (i, total)
+
+
 def _token_loss(fmodel: Any) -> Any:
     def loss(p: Any, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(fmodel(p, ids).transpose(1, 2), y, reduction="none").mean(1)
@@ -203,12 +213,7 @@ def test_an_embedding_s_contribution_is_at_most_the_clip_norm_in_float32(plans: 
     v = torch.randn(1, 1, D, generator=g)
     y = torch.cat([torch.randn(1, T, D, generator=g), torch.cat([v, -v * (1 - 1e-7), v, -v, v * 1e-7], 1)]) * scale
     ids = torch.tensor([[1, 2, 1, 3, 4], [5, 5, 5, 5, 5]])
-    c = 1e-3
-    fn, state = clipped_grad(loss, clipping_norm=c, batch_argnums=(1, 2), clip_backend="auto", model=fmodel)
-    for i in range(2):
-        out, _ = fn(params, ids[i : i + 1], y[i : i + 1], state=state)
-        total = math.sqrt(sum(float((t.double() ** 2).sum()) for t in out.pytree))
-        assert total <= c * (1 + 1e-12), (i, total)
+    _assert_each_contribution_at_most(loss, fmodel, params, ids, y, c=1e-3)
     assert plans and plans[-1].tapped == (0,)
 
 
@@ -415,12 +420,7 @@ def test_each_example_s_contribution_is_at_most_the_clip_norm_in_float32(plans: 
     base = torch.randn(1, T, D, generator=g)
     x = torch.cat([base, torch.cat([base[:, :1], -base[:, :1] * (1 - 1e-7)] * 2 + [base[:, :1]], 1)]) * scale
     y = torch.randn(2, T, 3, generator=g)
-    c = 1e-3
-    fn, state = clipped_grad(loss, clipping_norm=c, batch_argnums=(1, 2), clip_backend="auto", model=fmodel)
-    for i in range(2):
-        out, _ = fn(params, x[i : i + 1], y[i : i + 1], state=state)
-        total = math.sqrt(sum(float((t.double() ** 2).sum()) for t in out.pytree))
-        assert total <= c * (1 + 1e-12), (i, total)
+    _assert_each_contribution_at_most(loss, fmodel, params, x, y, c=1e-3)
     assert plans
 
 
