@@ -6,6 +6,7 @@ tests at the end."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -369,6 +370,47 @@ def test_tiny_hugging_face_models_with_padding_tap_their_embeddings(plans: list[
     _assert_matches_loop(model, loss_of, ids, torch.stack([y, mask], 1), rtol=1e-8)
     names = make_functional(model)[0].param_names
     assert tables <= {names[i] for i in plans[-1].tapped}
+
+
+class _Attention(nn.Module):
+    """Causal self-attention through F.scaled_dot_product_attention, two heads, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        h = self.emb(ids)
+        q, k, v = self.qkv(h).view(b, t, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(h + att.transpose(1, 2).reshape(b, t, D))
+
+
+@pytest.mark.parametrize("math_attention", [True, False])
+def test_attention_runs_batched_or_looped_and_matches_the_float64_loop(plans: list[_traced.TapPlan],
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        math_attention: bool) -> None:
+    """The plan counts each example's attention scores (2 heads x T x T); below the bound the
+    step runs attention by the math backend (batched under vmap), above it by the default
+    kernel (looped by vmap): the same per-example gradients either way."""
+    if not math_attention:
+        monkeypatch.setattr(_traced, "MATH_ATTENTION_MAX_ELEMENTS", 2 * T * T * B - 1)
+    torch.manual_seed(0)
+    model = _Attention()
+    _assert_matches_loop(model, _token_loss, *_tokens())
+    plan = plans[-1]
+    assert plan.attention_cells == 2 * T * T
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _run(model, _token_loss, *_tokens(), c=1.0)
+    flash = sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_dot_product_flash_attention_for_cpu")
+    # the planning pass's one call; then none (math backend), or the kernel once per example and more
+    assert (flash == 1) if math_attention else (flash > B), flash
+    chosen = _traced.attention_backend(plan, B, torch.device("cpu"))
+    assert isinstance(chosen, contextlib.nullcontext) != math_attention
+    assert isinstance(_traced.attention_backend(plan, B, torch.device("meta")), contextlib.nullcontext)
 
 
 def test_padding_rows_add_exactly_nothing(plans: list[_traced.TapPlan]) -> None:
