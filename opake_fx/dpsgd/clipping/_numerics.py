@@ -105,6 +105,30 @@ def weighted_sum_of(pe: torch.Tensor, w: torch.Tensor, keep: torch.Tensor | None
     return torch.matmul(as_dtype(w, pe.dtype), pe.reshape(pe.shape[0], -1)).reshape(pe.shape[1:])
 
 
+@torch.library.custom_op("opake_fx::rows_summed_by_index", mutates_args=())
+def rows_summed_by_index(n: int, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``zeros(n, *rows.shape[1:]).index_add_(0, index, rows)``: row ``index[k]`` of the result
+    sums the ``rows[k]`` sent to it.
+
+    An operator of its own so that ``torch.compile`` calls ATen's kernel instead of generating
+    one: inductor's CPU code adds each element by an atomic operation (embbag-256, 16384 rows
+    of 64 into a 20000-row table: 3.4 ms a step, against ATen's vectorised row additions).
+    Not differentiable (the rules' weighted sums and rows are never differentiated).
+
+    Example:
+        >>> rows_summed_by_index(3, torch.tensor([2, 0, 2]), torch.tensor([[1.0], [2.0], [3.0]]))
+        tensor([[2.],
+                [0.],
+                [4.]])
+    """
+    return rows.new_zeros((n, *rows.shape[1:])).index_add_(0, index, rows)
+
+
+@rows_summed_by_index.register_fake
+def _rows_summed_by_index_shape(n: int, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty((n, *rows.shape[1:]))
+
+
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` in ``dtype`` (no copy when it already is)."""
     return x if x.dtype == dtype else x.to(dtype)
@@ -115,5 +139,5 @@ def zero_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-__all__ = ["CACHE_ELEMS", "CHUNK_ELEMS", "LayerGrad", "PerExampleGrad", "as_dtype", "compute_dtype", "sq_norms_of",
-           "weighted_sum_of", "zero_rows"]
+__all__ = ["CACHE_ELEMS", "CHUNK_ELEMS", "LayerGrad", "PerExampleGrad", "as_dtype", "compute_dtype",
+           "rows_summed_by_index", "sq_norms_of", "weighted_sum_of", "zero_rows"]

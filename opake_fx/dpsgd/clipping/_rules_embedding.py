@@ -152,8 +152,10 @@ class StaticEmbeddingGrad:
         first = torch.ones_like(sorted_ids[:, :1], dtype=torch.bool)
         starts = torch.cat([first, sorted_ids[:, 1:] != sorted_ids[:, :-1]], dim=1)
         run = starts.long().cumsum(dim=1) - 1  # [B, T]: the row of each sorted token
-        g_sorted = g.gather(1, order.unsqueeze(-1).expand_as(g))
-        self.rows = torch.zeros_like(g_sorted).scatter_add_(1, run.unsqueeze(-1).expand_as(g_sorted), g_sorted)
+        t = ids.shape[1]
+        slot = (run + torch.arange(batch, device=ids.device).unsqueeze(1) * t).reshape(-1)  # its row of [B * T]
+        g_sorted = g.gather(1, order.unsqueeze(-1).expand_as(g)).reshape(batch * t, dim)
+        self.rows = N.rows_summed_by_index(batch * t, slot, g_sorted).view(batch, t, dim)
         self.ids = torch.zeros_like(sorted_ids).scatter_(1, run, sorted_ids)  # equal writes for a run
         self.batch, self.shape, self.dtype = batch, (vocab, dim), dtype
         self._sq = N.sq_norms_of(self.rows)
@@ -168,8 +170,7 @@ class StaticEmbeddingGrad:
         scaled = self.rows * N.as_dtype(w, self.dtype).view(-1, 1, 1)
         if keep is not None:  # exactly zero, whatever the dropped example's rows or weight hold
             scaled = N.zero_rows(scaled, keep)
-        out = torch.zeros(self.shape, dtype=self.dtype, device=scaled.device)
-        return out.index_add_(0, self.ids.reshape(-1), scaled.reshape(-1, self.shape[1]))
+        return N.rows_summed_by_index(self.shape[0], self.ids.reshape(-1), scaled.reshape(-1, self.shape[1]))
 
     def per_example(self, name: str) -> torch.Tensor:
         out = torch.zeros((self.batch, *self.shape), dtype=self.dtype, device=self.rows.device)
