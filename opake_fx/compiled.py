@@ -148,17 +148,8 @@ class CompiledStep:
         if n == 0:
             return self.eager(params, state, batch_t)
         self._check_matmul_precision()
-        mask = None
-        if self.buckets is not None:
-            batch_t, mask = pad_batch(batch_t, bucket_for(n, self.buckets))
-        # One graph per shape, never a symbolic one: every dimension of every tensor the step
-        # takes is static. Dynamo keeps the shapes it has seen per code object, and every
-        # compiled step shares the pipeline's, so a second step in the process on another
-        # sequence length (or model) would otherwise make that size a symbol by its automatic
-        # dynamic shapes, and dropout under vmap cannot draw a mask of symbolic size.
-        _mark_all_static((params, state, batch_t, mask))
+        batch_t, mask = self._prepared(params, state, batch_t)
         self.sizes.add(optree.tree_leaves(batch_t, namespace=NAMESPACE)[0].shape[0])
-        self._plan(params, state, batch_t, mask)
         # Dynamo keeps its graphs per code object, and every compiled step shares the
         # pipeline's code objects (stage.update, the optimizer's update): past its recompile
         # limit (8 by default) it would run this step eagerly, silently. A step's own graphs
@@ -188,14 +179,24 @@ class CompiledStep:
         planning step runs first, as before a compiled call, so the report is of the graphs
         that a call on this batch runs (``"auto"``'s traced path included).
         """
-        batch_t = batch if isinstance(batch, tuple) else (batch,)
+        batch_t, mask = self._prepared(params, state, batch if isinstance(batch, tuple) else (batch,))
+        return torch._dynamo.explain(self._step)(params, state, batch_t, mask)
+
+    def _prepared(self, params: Any, state: Any, batch_t: tuple[Any, ...]) -> tuple[tuple[Any, ...], torch.Tensor | None]:
+        """The batch as the compiled step takes it, and its padding mask: padded to its bucket,
+        every dimension marked static, and its shape planned (:meth:`_plan`)."""
         mask = None
         if self.buckets is not None:
             n = optree.tree_leaves(batch_t, namespace=NAMESPACE)[0].shape[0]
             batch_t, mask = pad_batch(batch_t, bucket_for(n, self.buckets))
+        # One graph per shape, never a symbolic one: every dimension of every tensor the step
+        # takes is static. Dynamo keeps the shapes it has seen per code object, and every
+        # compiled step shares the pipeline's, so a second step in the process on another
+        # sequence length (or model) would otherwise make that size a symbol by its automatic
+        # dynamic shapes, and dropout under vmap cannot draw a mask of symbolic size.
         _mark_all_static((params, state, batch_t, mask))
         self._plan(params, state, batch_t, mask)
-        return torch._dynamo.explain(self._step)(params, state, batch_t, mask)
+        return batch_t, mask
 
     def _check_matmul_precision(self) -> None:
         """Refuses a call after torch's float32 matmul precision changed: the traced certified
