@@ -22,8 +22,8 @@ clipping at C = 1, Gaussian noise with multiplier 1), SGD update.
 * ``opake-vmap-compiled`` / ``opake-auto-compiled`` — the whole step (clip, noise, SGD update)
   from :func:`opake_fx.compiled.compile_step` on ``chain(clip, noise, sgd)``: compiled by
   ``torch.compile`` during setup (the compile time is printed after the table); the
-  ``auto`` backend's clipping runs eagerly inside the compiled step (its hooks cannot be
-  traced yet), so its column measures what compiling the rest saves.
+  ``auto`` backend takes its traced path (its Linear and embedding rules inside the graph,
+  exact per-example gradients for the other parameters; see ``docs/compiled.md``).
 * ``opacus-hooks`` — Opacus ``GradSampleModule`` (hooks) + ``DPOptimizer``.
 * ``opacus-ghost`` — Opacus ``GradSampleModuleFastGradientClipping`` (ghost clipping) +
   ``DPOptimizerFastGradientClipping`` + ``DPLossFastGradientClipping``.
