@@ -59,7 +59,7 @@ from opake_fx._noise_input import MAX_STEPS, SQUARED_STREAM_COUNTER, check_secon
 from opake_fx._noise_prefetch import NoisePrefetcher
 from opake_fx.errors import InputValueError
 from opake_fx.pytree import NAMESPACE, tree_flatten_with_paths
-from opake_fx.random import RngKey, flat_tree_normal, flat_tree_normal_rows, fold_in, tree_normal
+from opake_fx.random import RngKey, flat_normal_group, flat_tree_normal, flat_tree_normal_rows, fold_in, tree_normal
 from opake_fx.secure_random import add_secure_gaussian
 from opake_fx.types import PerGroup
 
@@ -155,7 +155,6 @@ def add_gaussian_noise(
     return noised
 
 
-@torch.compiler.disable
 def noised_tree(
     pytree: Any,
     key: RngKey,
@@ -180,6 +179,13 @@ def noised_tree(
     matches, and step ``step + 1``'s draw is started before returning: the same numbers as
     drawing in place.
 
+    Traced by ``torch.compile`` (a compiled step), the keyed draw with one stddev runs inside
+    the graph: :func:`~opake_fx.random.flat_normal_group`, an operator that derives the key
+    and runs the generator when the graph runs, then ``z + leaf`` in the graph (the eager
+    path's one rounding), so the numbers are the eager ones, bit for bit. Exact, secure,
+    per-group, row-sharded and drawn-ahead (``prefetcher.enabled is True``) releases run
+    eagerly between two graphs instead; an automatic prefetcher draws in place there.
+
     Privacy: adds ``N(0, std**2)`` per coordinate (as :func:`add_gaussian_noise`).
 
     Example:
@@ -192,6 +198,33 @@ def noised_tree(
     """
     if not isinstance(std, PerGroup) and std == 0.0:
         return pytree
+    if (torch.compiler.is_compiling() and rows is None and not (exact or secure) and not isinstance(std, PerGroup)
+            and (prefetcher is None or prefetcher.enabled is not True)):
+        leaves, spec = optree.tree_flatten(pytree, namespace=NAMESPACE)
+        return spec.unflatten(_noised_in_graph(leaves, key, step, float(std)))
+    return _noised_tree_eagerly(pytree, key, step, std, exact=exact, secure=secure, prefetcher=prefetcher, rows=rows)
+
+
+def _noised_in_graph(leaves: list[torch.Tensor], key: RngKey, step: int, std: float) -> list[torch.Tensor]:
+    """:func:`add_gaussian_noise`'s keyed release with one stddev, as traceable code: the leaves'
+    (device, dtype) groups in order of first appearance, each group's flat draw by
+    :func:`~opake_fx.random.flat_normal_group`, the values handed out in leaf order."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault((leaf.device, leaf.dtype), []).append(i)
+    out: list[Any] = [None] * len(leaves)
+    for j, ((device, dtype), members) in enumerate(groups.items()):
+        sizes = [leaves[i].numel() for i in members]
+        flat = flat_normal_group(list(key.words), step, len(groups), j, sum(sizes), dtype, device, std)
+        for i, part in zip(members, flat.split(sizes)):
+            out[i] = part.view(leaves[i].shape) + leaves[i]  # z + leaf, as the eager in-place add
+    return out
+
+
+@torch.compiler.disable
+def _noised_tree_eagerly(pytree: Any, key: RngKey, step: int, std: float | PerGroup, *, exact: bool, secure: bool,
+                         prefetcher: NoisePrefetcher | None, rows: tuple[Any, Any] | None) -> Any:
+    """:func:`noised_tree` run eagerly (between two graphs when traced)."""
     if isinstance(std, PerGroup):
         paths, leaves, spec = tree_flatten_with_paths(pytree)
         stds: Any = [std.for_path(p) for p in paths]

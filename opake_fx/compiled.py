@@ -11,9 +11,11 @@ What is traced and what is not:
 * The clipping (per-example gradients with ``torch.func.vmap``, the certified norms, the
   weights, the weighted sum), the aggregation, the noise's addition and the optimizer's
   update are traced into graphs that inductor compiles.
-* The noise *draw* runs eagerly, between two graphs (a deliberate graph break): it is the
-  same keyed generator call as in an eager step, so the noise is bit-identical to the
-  eager pipeline's for the same key and step. Counters (steps of the noise, clip and
+* The noise *draw* is an operator in the graph (:func:`opake_fx.random.flat_normal_group`,
+  a ``torch.library.custom_op`` tagged ``cudagraph_unsafe``): the same keyed generator call
+  as in an eager step, made when the graph runs, so the noise is bit-identical to the eager
+  pipeline's for the same key and step, and the step is one graph. Exact, secure,
+  per-group, row-sharded and ``prefetch=True`` draws run eagerly between two graphs. Counters (steps of the noise, clip and
   optimizer states) are Python ints: the first step compiles them as constants, the
   second once more as symbols, and from then on they never recompile.
 * ``clip_backend="auto"`` traces its own path: each example alone under ``vmap``, its
@@ -116,7 +118,7 @@ class CompiledStep:
         pipeline: the compiled pipeline (its ``init`` builds the state).
         buckets: the padded batch sizes, or ``None``.
         graphs_compiled: how many graphs the compiler has built so far (each bucket's
-            step is a few graphs: the noise draw sits between two).
+            step is one graph, compiled twice: first with its counters as constants, then as symbols).
         sizes: the padded batch sizes met so far.
     """
 
@@ -170,9 +172,10 @@ class CompiledStep:
         """What ``torch.compile`` makes of one step on ``batch`` (``torch._dynamo.explain``'s report).
 
         ``graph_count``, ``graph_break_count`` and ``break_reasons`` say what was traced
-        and what ran eagerly and why: the noise draw is always one break (by design), a
-        clip backend that runs its rules eagerly (``"ghost"``, or ``"auto"`` above its
-        limits) one more; a model with an untraceable
+        and what ran eagerly and why: no break on a step whose stages all trace (the
+        noise draw is an operator in the graph); one for a noise drawn eagerly (exact,
+        secure, per-group, ``prefetch=True``) and one for a clip backend that runs its
+        rules eagerly (``"ghost"``, or ``"auto"`` above its limits); a model with an untraceable
         operation (``.item()``, data-dependent Python branches) shows its own. A step
         with breaks is still correct: dynamo runs the untraced parts eagerly.
         Nothing is updated (the report is computed on the given values). The batch shape's

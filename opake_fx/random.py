@@ -52,6 +52,7 @@ __all__ = [
     "tree_normal",
     "flat_tree_normal",
     "flat_tree_normal_rows",
+    "flat_normal_group",
     "key_data",
     "wrap_key_data",
 ]
@@ -466,6 +467,36 @@ def flat_tree_normal_rows(
             draws[i] = part.view(leaves[i].shape)
             buffers.append(part)
     return draws, buffers  # type: ignore[return-value]
+
+
+@torch.library.custom_op("opake_fx::flat_normal_group", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def flat_normal_group(words: list[int], step: int, groups: int, group: int, n: int, dtype: torch.dtype,
+                      device: torch.device, stddev: float) -> torch.Tensor:
+    """Group ``group``'s flat buffer of ``flat_tree_normal(fold_in(k, step), leaves, stddev=stddev)``,
+    where ``k.words == words`` and the leaves form ``groups`` (device, dtype) groups, this one of
+    ``n`` values of ``dtype`` on ``device``: the same numbers, drawn the same way.
+
+    An operator of its own (``torch.library.custom_op``) so that a compiled step calls the
+    keyed draw inside its graph, with the step as a symbolic integer, instead of breaking the
+    graph around it: the key is derived and the generator run when the graph runs, never at
+    tracing. Tagged ``cudagraph_unsafe``: a CUDA graph never captures it (a captured draw
+    would replay one step's noise).
+
+    Example:
+        >>> leaves = [torch.zeros(2, 3), torch.zeros(4)]
+        >>> draws, buffers = flat_tree_normal(fold_in(key(5), 7), leaves, stddev=0.5)
+        >>> flat = flat_normal_group([0, 5], 7, 1, 0, 10, torch.float32, torch.device("cpu"), 0.5)
+        >>> torch.equal(flat, buffers[0])
+        True
+    """
+    group_key = _split_key(fold_in(RngKey((int(words[0]), int(words[1]))), step), groups)[group]
+    return _keyed_randn(group_key, n, dtype, device, stddev)
+
+
+@flat_normal_group.register_fake
+def _flat_normal_group_shape(words: list[int], step: int, groups: int, group: int, n: int, dtype: torch.dtype,
+                             device: torch.device, stddev: float) -> torch.Tensor:
+    return torch.empty(n, dtype=dtype, device=device)
 
 
 def _keyed_randn_ranges(k: RngKey, n: int, ranges: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
