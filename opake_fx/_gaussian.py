@@ -47,6 +47,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -67,6 +68,7 @@ __all__ = [
     "step_normals",
     "add_gaussian_noise",
     "noised_tree",
+    "drawn_between_graphs",
     "second_moment_stddevs",
     "joint_noise_multiplier",
     "squared_stream_key",
@@ -198,11 +200,41 @@ def noised_tree(
     """
     if not isinstance(std, PerGroup) and std == 0.0:
         return pytree
-    if (torch.compiler.is_compiling() and rows is None and not (exact or secure) and not isinstance(std, PerGroup)
-            and (prefetcher is None or prefetcher.enabled is not True)):
+    if (torch.compiler.is_compiling() and draw_in_graph and rows is None and not (exact or secure)
+            and not isinstance(std, PerGroup) and (prefetcher is None or prefetcher.enabled is not True)):
         leaves, spec = optree.tree_flatten(pytree, namespace=NAMESPACE)
         return spec.unflatten(_noised_in_graph(leaves, key, step, float(std)))
     return _noised_tree_eagerly(pytree, key, step, std, exact=exact, secure=secure, prefetcher=prefetcher, rows=rows)
+
+
+#: Whether a traced keyed draw runs inside the graph (:func:`noised_tree`). Dynamo guards on it, so a
+#: graph traced with one value is never run under the other. :func:`drawn_between_graphs` clears it
+#: while a compiled step records CUDA graphs.
+draw_in_graph = True
+
+
+@contextlib.contextmanager
+def drawn_between_graphs(on: bool = True) -> Any:
+    """While on, a traced :func:`noised_tree` draws eagerly between two graphs, as before the draw
+    became an operator in the graph: what a compiled step records as CUDA graphs
+    (``mode="reduce-overhead"``) keeps, the design measured on a GPU. (The operator is tagged
+    ``cudagraph_unsafe`` as well, so inductor would run it outside a captured graph; that path
+    has not been measured on a device.)
+
+    Example:
+        >>> import opake_fx._gaussian as gaussian
+        >>> with drawn_between_graphs():
+        ...     print(gaussian.draw_in_graph)
+        False
+        >>> gaussian.draw_in_graph
+        True
+    """
+    global draw_in_graph
+    previous, draw_in_graph = draw_in_graph, draw_in_graph and not on
+    try:
+        yield
+    finally:
+        draw_in_graph = previous
 
 
 def _noised_in_graph(leaves: list[torch.Tensor], key: RngKey, step: int, std: float) -> list[torch.Tensor]:

@@ -15,7 +15,8 @@ What is traced and what is not:
   a ``torch.library.custom_op`` tagged ``cudagraph_unsafe``): the same keyed generator call
   as in an eager step, made when the graph runs, so the noise is bit-identical to the eager
   pipeline's for the same key and step, and the step is one graph. Exact, secure,
-  per-group, row-sharded and ``prefetch=True`` draws run eagerly between two graphs. Counters (steps of the noise, clip and
+  per-group, row-sharded and ``prefetch=True`` draws, and a step whose mode records CUDA
+  graphs (:attr:`CompiledStep.records_cuda_graphs`), draw eagerly between two graphs. Counters (steps of the noise, clip and
   optimizer states) are Python ints: the first step compiles them as constants, the
   second once more as symbols, and from then on they never recompile.
 * ``clip_backend="auto"`` traces its own path: each example alone under ``vmap``, its
@@ -48,6 +49,7 @@ from typing import Any, Callable
 import optree
 import torch
 
+from opake_fx._gaussian import drawn_between_graphs
 from opake_fx.errors import InputTypeError, InputValueError
 from opake_fx.padding import bucket_for, pad_batch
 from opake_fx.pytree import NAMESPACE
@@ -132,6 +134,14 @@ class CompiledStep:
         self._precision: tuple[Any, ...] | None = None
         self._compiled = torch.compile(self._step, backend=_counting_backend(mode))
 
+    @property
+    def records_cuda_graphs(self) -> bool:
+        """Whether this step's mode records CUDA graphs (``"reduce-overhead"``, ``"max-autotune"``):
+        its noise is then drawn eagerly between two graphs (:func:`opake_fx._gaussian.drawn_between_graphs`)."""
+        from torch._inductor import list_mode_options
+
+        return self.mode not in (None, "default") and bool(list_mode_options(self.mode).get("triton.cudagraphs"))
+
     def init(self, params: Any) -> Any:
         """The pipeline's initial state."""
         return self.pipeline.init(params)
@@ -163,7 +173,8 @@ class CompiledStep:
         previous, _ACTIVE.step = getattr(_ACTIVE, "step", None), self
         try:
             with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, specialize_float=True,
-                                            accumulated_recompile_limit=_RECOMPILE_LIMIT * 4):
+                                            accumulated_recompile_limit=_RECOMPILE_LIMIT * 4), \
+                    drawn_between_graphs(self.records_cuda_graphs):
                 return self._compiled(params, state, batch_t, mask)
         finally:
             _ACTIVE.step = previous
@@ -183,7 +194,8 @@ class CompiledStep:
         that a call on this batch runs (``"auto"``'s traced path included).
         """
         batch_t, mask = self._prepared(params, state, batch if isinstance(batch, tuple) else (batch,))
-        return torch._dynamo.explain(self._step)(params, state, batch_t, mask)
+        with drawn_between_graphs(self.records_cuda_graphs):
+            return torch._dynamo.explain(self._step)(params, state, batch_t, mask)
 
     def _prepared(self, params: Any, state: Any, batch_t: tuple[Any, ...]) -> tuple[tuple[Any, ...], torch.Tensor | None]:
         """The batch as the compiled step takes it, and its padding mask: padded to its bucket,

@@ -531,3 +531,45 @@ def test_a_cpu_conv_step_compiles_without_channels_last_layouts(monkeypatch):
     eager, _ = step.eager(params, step.init(params), batch)
     assert decided and all(setting is False and chosen is False for setting, chosen in decided), decided
     assert _max_rel(compiled, eager) < 1e-5
+
+
+def test_the_draw_operator_is_never_captured_in_a_cuda_graph():
+    """Inductor partitions a graph around an operator it reads as CUDA-graph unsafe and runs it
+    as an ordinary call every step; a captured draw would replay one step's noise."""
+    from torch._inductor.utils import is_cudagraph_unsafe_fx_node
+
+    from opake_fx.random import flat_normal_group
+
+    def draw(step):
+        return flat_normal_group([0, 3], 5, 1, 0, 4, torch.float32, torch.device("cpu"), 1.0)
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(draw)(torch.zeros(()))
+    ops = [n for n in gm.graph.nodes if n.target is torch.ops.opake_fx.flat_normal_group.default]
+    assert ops and all(is_cudagraph_unsafe_fx_node(n) for n in ops)
+
+
+@pytest.mark.slow
+def test_a_step_that_records_cuda_graphs_draws_its_noise_between_graphs():
+    """mode="reduce-overhead" keeps the eager draw between two graphs (the design measured on a
+    GPU); on this CPU the same numbers as the eager step, bit for bit."""
+    params = {"w": torch.zeros(50)}
+
+    def loss(p, x):  # no gradient: the update is the noise alone
+        return p["w"].sum() * x.sum() * 0.0
+
+    def pipe():
+        return chain(clip(loss, clipping_norm=1.0, batch_argnums=1, normalize_by=4.0),
+                     noise(noise_multiplier=1.0, key=key(4)), sgd(1.0))
+
+    step = compile_step(pipe(), mode="reduce-overhead")
+    assert step.records_cuda_graphs and not compile_step(pipe()).records_cuda_graphs
+    eager = pipe()
+    p_c, s_c = params, step.init(params)
+    p_e, s_e = params, eager.init(params)
+    for _ in range(3):
+        p_c, s_c = step(p_c, s_c, (torch.ones(4, 2),))
+        u, s_e = eager.update((torch.ones(4, 2),), s_e, p_e)
+        p_e = apply_updates(p_e, u)
+    assert torch.equal(p_c["w"], p_e["w"])
+    report = step.explain(p_c, s_c, (torch.ones(4, 2),))
+    assert report.graph_break_count >= 1, [r.reason for r in report.break_reasons]
