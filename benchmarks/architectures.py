@@ -71,6 +71,10 @@ machine, a slow fallback) gets fewer, at least one, noted under the table.
 
     python benchmarks/architectures.py --quick       # about 7.5 minutes on 2 cores
     python benchmarks/architectures.py --quick --compiled   # + the compiled steps
+    python benchmarks/architectures.py --breaks     # graphs and graph breaks of the compiled auto step
+
+``--breaks`` times nothing: for each workload it prints what ``torch.compile`` makes of the
+compiled ``auto`` step (``CompiledStep.explain``: graphs, graph breaks and their reasons).
 """
 
 from __future__ import annotations
@@ -370,6 +374,27 @@ def _compiled_step(variant: str, fmodel: Any, losses: Any, train: list[torch.Ten
     return step
 
 
+def graph_breaks(workload: str) -> tuple[int, int, list[str]]:
+    """``(graphs, breaks, reasons)`` of the compiled ``auto`` step on ``workload`` (``CompiledStep.explain``)."""
+    from opake_fx.compiled import compile_step
+    from opake_fx.dpsgd import clip, noise
+    from opake_fx.optimizers import sgd
+    from opake_fx.transforms import chain
+
+    torch.set_num_threads(2)
+    warnings.filterwarnings("ignore")
+    model, losses, x, y, trains = build(workload)
+    for name, p in model.named_parameters():
+        p.requires_grad_(trains(name))
+    fmodel, params = make_functional(model, trainable_only=True)
+    batched = lambda tr, xb, yb: losses(fmodel, tr, xb, yb)  # noqa: E731
+    stage = clip(batched, clipping_norm=1.0, batch_argnums=(1, 2), normalize_by=B, clip_backend="auto", model=fmodel)
+    step = compile_step(chain(stage, noise(noise_multiplier=1.0, key=key(0)), sgd(LR)))
+    train = tuple(params)
+    report = step.explain(train, step.init(train), (x, y))
+    return report.graph_count, report.graph_break_count, [str(r.reason).splitlines()[0][:100] for r in report.break_reasons]
+
+
 def available(workload: str) -> bool:
     if workload in TORCH_NATIVE:
         return True
@@ -392,8 +417,16 @@ def main() -> None:
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--compiled", action="store_true",
                     help=f"add the compiled steps ({', '.join(COMPILED)}; compile times printed per workload)")
+    ap.add_argument("--breaks", action="store_true",
+                    help="time nothing: print the graphs and graph breaks of each workload's compiled auto step")
     args = ap.parse_args()
     torch.set_num_threads(2)
+    if args.breaks:
+        print("| workload | graphs | graph breaks | reasons |\n|---|---:|---:|---|")
+        for w in [w for w in args.workloads.split(",") if w and available(w)]:
+            graphs, breaks, reasons = graph_breaks(w)
+            print(f"| {w} | {graphs} | {breaks} | {'; '.join(reasons) or '-'} |", flush=True)
+        return
     rounds = 7 if args.quick else 15
     variants = [v for v in args.variants.split(",") if v] + (COMPILED if args.compiled else [])
     rows = ["| workload | variant | step (ms) | x non-private | x floor | peak RSS growth (MiB) | memory / non-private |",
