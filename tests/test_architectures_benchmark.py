@@ -55,3 +55,15 @@ def _step_variants(bench, workload, variants):
             bench.setup_step(workload, variant)()
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload, breaks", [("torch-encoder", 0), ("llama", 0)])
+def test_graph_breaks_of_the_compiled_auto_step(bench, workload, breaks, monkeypatch):
+    """--breaks: the compiled auto step of a torch encoder and a tiny Llama is one graph."""
+    if not bench.available(workload):
+        pytest.skip("needs the hf extra")
+    monkeypatch.setattr(bench, "B", 4)
+    monkeypatch.setattr(bench, "T", 16)
+    graphs, found, reasons = bench.graph_breaks(workload)
+    assert (graphs, found) == (1, breaks), reasons
