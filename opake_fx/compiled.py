@@ -16,9 +16,10 @@ What is traced and what is not:
   as in an eager step, made when the graph runs, so the noise is bit-identical to the eager
   pipeline's for the same key and step, and the step is one graph. Exact, secure,
   per-group, row-sharded and ``prefetch=True`` draws, and a step whose mode records CUDA
-  graphs (:attr:`CompiledStep.records_cuda_graphs`), draw eagerly between two graphs. Counters (steps of the noise, clip and
-  optimizer states) are Python ints: the first step compiles them as constants, the
-  second once more as symbols, and from then on they never recompile.
+  graphs (:attr:`CompiledStep.records_cuda_graphs`), draw eagerly between two graphs.
+  Counters (steps of the noise, clip and optimizer states) are Python ints: the first step
+  compiles them as constants, the second once more as symbols, and from then on they never
+  recompile.
 * ``clip_backend="auto"`` traces its own path: each example alone under ``vmap``, its
   ``nn.Linear`` / ``Conv1D`` calls tapped so that their layer rules run in the graph on
   ``(input, output gradient)``, exact per-example gradients for the other parameters
@@ -134,7 +135,7 @@ class CompiledStep:
         self._precision: tuple[Any, ...] | None = None
         self._compiled = torch.compile(self._step, backend=_counting_backend(mode))
 
-    @property
+    @functools.cached_property
     def records_cuda_graphs(self) -> bool:
         """Whether this step's mode records CUDA graphs (``"reduce-overhead"``, ``"max-autotune"``):
         its noise is then drawn eagerly between two graphs (:func:`opake_fx._gaussian.drawn_between_graphs`)."""
