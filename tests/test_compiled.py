@@ -513,7 +513,6 @@ def test_a_cpu_conv_step_compiles_without_channels_last_layouts(monkeypatch):
         return decided[-1][1]
 
     monkeypatch.setattr(GraphLowering, "decide_layout_opt", staticmethod(recorded))
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # lower the graphs here, not from the cache
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
                         nn.Linear(4 * 4 * 4, K))
@@ -527,7 +526,9 @@ def test_a_cpu_conv_step_compiles_without_channels_last_layouts(monkeypatch):
     pipe = chain(clip(loss, clipping_norm=1.0, batch_argnums=(1, 2), normalize_by=6, clip_backend="auto", model=fmodel),
                  noise(noise_multiplier=1.0, key=key(2)), sgd(0.1))
     step = compile_step(pipe)
-    compiled, _ = step(params, step.init(params), batch)
+    # (config.patch, not monkeypatch: monkeypatch's undo leaves inductor's config entry hidden)
+    with inductor_config.patch(fx_graph_cache=False):  # lower the graphs here, not from the cache
+        compiled, _ = step(params, step.init(params), batch)
     eager, _ = step.eager(params, step.init(params), batch)
     assert decided and all(setting is False and chosen is False for setting, chosen in decided), decided
     assert _max_rel(compiled, eager) < 1e-5
