@@ -482,6 +482,11 @@ def flat_normal_group(words: list[int], step: int, groups: int, group: int, n: i
     tracing. Tagged ``cudagraph_unsafe``: a CUDA graph never captures it (a captured draw
     would replay one step's noise).
 
+    Privacy:
+        None of its own: the numbers are exactly :func:`flat_tree_normal`'s for the same key
+        and step, so the mechanism is the noise stage's. As for every keyed draw, the key
+        must stay secret and a step's key is never used for two releases.
+
     Example:
         >>> leaves = [torch.zeros(2, 3), torch.zeros(4)]
         >>> draws, buffers = flat_tree_normal(fold_in(key(5), 7), leaves, stddev=0.5)
